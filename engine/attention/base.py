@@ -1,0 +1,93 @@
+"""The attention backend interface and the per-step batch layout it reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Layout of one flat batch, built once per step by the ModelRunner.
+
+    Sequences are ordered decodes first: sequences ``[0, num_decodes)`` have exactly one query
+    token each, so tokens ``[0, num_decodes)`` are theirs. Sequence ``i`` owns query tokens
+    ``[query_start_loc[i], query_start_loc[i+1])`` at positions ``seq_lens[i] - query_len ..
+    seq_lens[i] - 1``; its KV lives in blocks ``block_tables[i, :cdiv(seq_lens[i], block_size)]``
+    (the row is padded with zeros). ``slot_mapping[t]`` is the flat KV slot that token ``t`` writes.
+    """
+
+    num_tokens: int
+    num_decodes: int
+    block_size: int
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_list: list[int]
+    seq_lens_list: list[int]
+    # Backend-specific tensors derived once per step (masks, gathered indices).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+
+class AttentionBackend:
+    """Writes a layer's new K/V into the paged cache and attends over each sequence's context.
+
+    The KV cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads,
+    head_dim]`` (the layout flash-attention's paged kernels read).
+    """
+
+    name = "base"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Precompute per-step tensors shared by every layer (stored in ``meta.extra``)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """``q [T, H, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, H, D]``."""
+        raise NotImplementedError
+
+
+def flash_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import vllm_flash_attn  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """``auto`` picks flash-attention on CUDA when ``vllm_flash_attn`` imports, else torch."""
+    if name == "auto":
+        name = "flash" if flash_available(device) and dtype != torch.float32 else "torch"
+    if name == "flash":
+        if not flash_available(device):
+            raise ValueError("attention_backend: flash needs a CUDA device and vllm-flash-attn")
+        if dtype == torch.float32:
+            raise ValueError("attention_backend: flash supports float16 and bfloat16 only")
+        from engine.attention.flash_backend import FlashAttentionBackend
+
+        return FlashAttentionBackend()
+    if name == "torch":
+        from engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    raise ValueError(f"attention_backend: unknown backend {name!r}")

@@ -1,0 +1,56 @@
+"""flash-attention's paged varlen kernel (``vllm_flash_attn``) on CUDA.
+
+One call covers the whole flat batch, decodes and prefill chunks alike: the kernel reads each
+sequence's KV straight from the paged cache through ``block_table`` (``cu_seqlens_k`` then gives
+the context lengths) and aligns the causal mask to the bottom right. Needs fp16/bf16 and a block size that is a multiple of 16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+
+class FlashAttentionBackend(AttentionBackend):
+    name = "flash"
+
+    def __init__(self) -> None:
+        from vllm_flash_attn import flash_attn_varlen_func
+
+        self._varlen = flash_attn_varlen_func
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if meta.block_size % 16:
+            raise ValueError("block_size: the flash backend needs a multiple of 16")
+        meta.extra["cu_seqlens_q"] = meta.query_start_loc.to(torch.int32)
+        cu_k = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=meta.seq_lens.device)
+        torch.cumsum(meta.seq_lens, 0, out=cu_k[1:])
+        meta.extra["cu_seqlens_k"] = cu_k
+        meta.extra["block_table"] = meta.block_tables.to(torch.int32)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        return self._varlen(
+            q=q,
+            k=k_cache,
+            v=v_cache,
+            cu_seqlens_q=meta.extra["cu_seqlens_q"],
+            max_seqlen_q=meta.max_query_len,
+            cu_seqlens_k=meta.extra["cu_seqlens_k"],
+            max_seqlen_k=meta.max_seq_len,
+            softmax_scale=scale,
+            causal=True,
+            block_table=meta.extra["block_table"],
+        )

@@ -1,0 +1,89 @@
+"""Attention in plain PyTorch: the CPU path and the reference for every other backend.
+
+Decodes are batched into one SDPA call over a padded gather of their blocks, with the query
+heads of a KV group laid out as query rows (no K/V repetition for GQA). Prefills run one SDPA call
+per sequence. A prefill chunk that follows cached or earlier-computed context needs a causal mask
+aligned to the *bottom right* (query ``i`` sees keys ``0 .. ctx - qlen + i``); SDPA's
+``is_causal=True`` is aligned top-left, so it is only used when the chunk is the whole context.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        nd = meta.num_decodes
+        if nd == 0:
+            return
+        lens = meta.seq_lens[:nd]
+        max_len = int(max(meta.seq_lens_list[:nd]))
+        num_blocks = -(-max_len // meta.block_size)
+        meta.extra["decode_block_tables"] = meta.block_tables[:nd, :num_blocks]
+        span = num_blocks * meta.block_size
+        keep = torch.arange(span, device=lens.device)[None, :] < lens[:, None]
+        meta.extra["decode_mask"] = keep[:, None, None, :]
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+        num_heads = q.shape[1]
+        group = num_heads // num_kv_heads
+        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            tables = meta.extra["decode_block_tables"]
+            span = tables.shape[1] * block_size
+            kk = k_cache[tables].view(nd, span, num_kv_heads, head_dim).transpose(1, 2)
+            vv = v_cache[tables].view(nd, span, num_kv_heads, head_dim).transpose(1, 2)
+            qq = q[:nd].view(nd, num_kv_heads, group, head_dim)
+            o = F.scaled_dot_product_attention(
+                qq, kk, vv, attn_mask=meta.extra["decode_mask"], scale=scale
+            )
+            out[:nd] = o.reshape(nd, num_heads, head_dim)
+
+        qsl = meta.query_start_loc_list
+        for i in range(nd, meta.num_seqs):
+            start, end = qsl[i], qsl[i + 1]
+            qlen = end - start
+            ctx = meta.seq_lens_list[i]
+            qi = q[start:end].transpose(0, 1).unsqueeze(0)
+            if ctx == qlen:
+                ki = k[start:end].transpose(0, 1).unsqueeze(0)
+                vi = v[start:end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(
+                    qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True
+                )
+            else:
+                nb = -(-ctx // block_size)
+                ids = meta.block_tables[i, :nb]
+                ki = k_cache[ids].view(-1, num_kv_heads, head_dim)[:ctx]
+                vi = v_cache[ids].view(-1, num_kv_heads, head_dim)[:ctx]
+                ki = ki.transpose(0, 1).unsqueeze(0)
+                vi = vi.transpose(0, 1).unsqueeze(0)
+                rows = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
+                mask = torch.arange(ctx, device=q.device)[None, :] <= rows
+                o = F.scaled_dot_product_attention(
+                    qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
+                )
+            out[start:end] = o.squeeze(0).transpose(0, 1)
+        return out

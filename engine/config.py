@@ -1,0 +1,83 @@
+"""Engine configuration: one frozen dataclass, validated once, passed whole."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+AttentionBackendName = Literal["auto", "torch", "flash"]
+Device = Literal["auto", "cpu", "cuda"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs to start.
+
+    ``num_kv_blocks=None`` sizes the KV cache from ``kv_cache_memory_gb`` (default 1 GiB on CPU);
+    ``max_model_len=None`` takes the model's ``max_position_embeddings``.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    tokenizer: str | None = None
+    dtype: DType = "auto"
+    device: Device = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    # Fraction of KV blocks that admission of a new request leaves free, so that running requests
+    # can keep decoding without immediate preemption.
+    watermark: float = 0.01
+    attention_backend: AttentionBackendName = "auto"
+    num_threads: int | None = None
+    seed: int = 0
+    # Salt of the chained block hashes; defaults to the resolved model name, so that two models'
+    # hashes never collide in a router or a shared KV directory.
+    hash_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not self.model or not isinstance(self.model, str):
+            raise ValueError("model: a model name, directory or .gguf path is required")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if self.num_kv_blocks is not None and (
+            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks <= 0
+        ):
+            raise ValueError(f"num_kv_blocks: must be a positive integer, got {self.num_kv_blocks!r}")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len <= 0
+        ):
+            raise ValueError(f"max_model_len: must be a positive integer, got {self.max_model_len!r}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb: must be positive, got {self.kv_cache_memory_gb!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark: must be in [0, 1), got {self.watermark!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy: must be fcfs or priority, got {self.scheduling_policy!r}"
+            )
+        if self.attention_backend not in ("auto", "torch", "flash"):
+            raise ValueError(
+                f"attention_backend: must be auto, torch or flash, got {self.attention_backend!r}"
+            )
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads: must be positive, got {self.num_threads!r}")
+
+    def replace(self, **changes: object) -> EngineConfig:
+        return dataclasses.replace(self, **changes)

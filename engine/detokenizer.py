@@ -1,0 +1,89 @@
+"""Incremental detokenization with stop strings.
+
+``IncrementalDetokenizer`` owns the text of one request's output:
+
+* ``text`` is the decoding of every token appended so far; a multi-byte character whose bytes are
+  split across tokens appears only once all its bytes have arrived (the tokenizers library's
+  ``DecodeStream`` buffers them), so no delta ever holds half a character.
+* ``take_delta()`` returns the text not yet returned, minus a hold-back of
+  ``max(len(stop)) - 1`` characters while the request runs: those could be the start of a stop
+  string that the next token completes, and a client must never see a stop string.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Any | None,
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = list(stop or [])
+        self.include_stop = include_stop_str_in_output
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+        self._stream = None
+        self._ids: list[int] = []
+        self._backend = getattr(tokenizer, "backend_tokenizer", None) if tokenizer else None
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._fallback_prefix = 0
+        self._fallback_read = 0
+
+    def append(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Add one generated token. Returns the stop string it completed, if any (``text`` is then
+        cut before it, or after it with ``include_stop_str_in_output``). With ``check_stop``
+        False (before ``min_tokens``) stop strings are not looked for."""
+        if self.tokenizer is None:
+            return None
+        piece = self._decode_next(token_id)
+        if not piece:
+            return None
+        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        self.text += piece
+        if not self.stop or not check_stop:
+            return None
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            idx = self.text.find(s, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return None
+        idx, s = best
+        self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
+        return s
+
+    def take_delta(self, finished: bool) -> str:
+        end = len(self.text) if finished else max(self.emitted, len(self.text) - self.holdback)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta
+
+    def _decode_next(self, token_id: int) -> str:
+        if self._stream is not None:
+            return self._stream.step(self._backend, token_id) or ""
+        # Slow tokenizers: decode a small window and emit what grew, waiting out U+FFFD.
+        self._ids.append(token_id)
+        prefix = self.tokenizer.decode(
+            self._ids[self._fallback_prefix : self._fallback_read],
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        full = self.tokenizer.decode(
+            self._ids[self._fallback_prefix :], skip_special_tokens=self.skip_special_tokens
+        )
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self._fallback_prefix = self._fallback_read
+            self._fallback_read = len(self._ids)
+            return full[len(prefix) :]
+        return ""

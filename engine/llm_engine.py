@@ -1,0 +1,306 @@
+"""The step-level engine: add requests, step, abort. Single-threaded by contract; the serving
+layer drives it from one background thread (see ``engine.async_engine``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.attention.base import select_backend
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.model.config import model_config_from_hf, rope_cos_sin, rope_inv_freq
+from engine.model.llama import LlamaForCausalLM
+from engine.model.loader import (
+    load_hf_config,
+    load_safetensors,
+    load_tokenizer,
+    resolve_model,
+)
+from engine.model_runner import ModelRunner, ScheduledSeq
+from engine.outputs import RequestDelta
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters and current gauges, read by the metrics exporter."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cache_hit_tokens_local: int = 0
+    cache_hit_tokens_remote: int = 0
+    finished: Counter = field(default_factory=Counter)
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda" or cpu_has_bf16():
+            return torch.bfloat16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_dir = resolve_model(config.model)
+        hf_config, generation_config = load_hf_config(self.model_dir)
+        self.model_cfg = model_config_from_hf(hf_config, generation_config)
+        self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else self.model_dir)
+        eos = set(self.model_cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+        self.max_model_len = config.max_model_len or self.model_cfg.max_position_embeddings
+        if self.max_model_len > self.model_cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len: {self.max_model_len} exceeds the model's "
+                f"{self.model_cfg.max_position_embeddings} positions"
+            )
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.hash_salt = config.hash_salt if config.hash_salt is not None else config.model
+
+        backend = select_backend(config.attention_backend, self.device, self.dtype)
+        model = LlamaForCausalLM(self.model_cfg, backend, self.dtype)
+        model.load_hf_weights(load_safetensors(self.model_dir))
+        inv_freq, scaling = rope_inv_freq(hf_config, self.model_cfg.head_dim)
+        cos, sin = rope_cos_sin(inv_freq, scaling, self.max_model_len)
+        model.set_rope_tables(cos, sin)
+        model.to(self.device)
+        self.model = model.eval()
+
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory()
+        self.num_blocks = num_blocks
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, config.watermark
+        )
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.sampler = Sampler(config.seed)
+        self.runner = ModelRunner(
+            self.model,
+            self.model_cfg,
+            backend,
+            num_blocks,
+            config.block_size,
+            self.device,
+            self.dtype,
+            self.sampler,
+        )
+        self.stats = EngineStats(num_blocks=num_blocks)
+        logger.info(
+            "engine ready: %s (%s, %s, attention=%s), %d KV blocks of %d tokens",
+            self.model_dir,
+            self.device,
+            self.dtype,
+            backend.name,
+            num_blocks,
+            config.block_size,
+        )
+
+    def _blocks_for_memory(self) -> int:
+        per_block = self.model_cfg.kv_bytes_per_block(self.config.block_size, self.dtype)
+        return max(1, int(self.config.kv_cache_memory_gb * (1 << 30)) // per_block)
+
+    # -- requests --------------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass token ids")
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_cfg.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        needed = cdiv(min(len(token_ids) + params.max_tokens, self.max_model_len), self.config.block_size)
+        if needed > self.num_blocks:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens plus max_tokens={params.max_tokens} need "
+                f"{needed} KV blocks, more than the {self.num_blocks} this engine has"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a request; no model work happens here."""
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate_prompt(token_ids, params)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                params.skip_special_tokens,
+                params.stop_strings,
+                params.include_stop_str_in_output,
+            )
+        request = Request(
+            request_id,
+            token_ids,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            arrival_time=arrival_time,
+            detokenizer=detok,
+            block_size=self.config.block_size,
+            hash_salt=self.hash_salt,
+        )
+        if params.seed is not None:
+            request.generator = torch.Generator().manual_seed(params.seed)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> bool:
+        request = self.scheduler.abort_request(request_id)
+        if request is None:
+            return False
+        self.stats.finished["abort"] += 1
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one iteration ---------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        out = self.scheduler.schedule()
+        self.stats.num_preemptions = self.scheduler.num_preemptions_total
+        if out.is_empty:
+            self._update_gauges()
+            return []
+        for request in out.first_scheduled:
+            self.stats.prompt_tokens += request.num_prompt_tokens
+            remote = min(request.num_remote_cached_tokens, request.num_cached_tokens)
+            self.stats.cache_hit_tokens_local += request.num_cached_tokens - remote
+            self.stats.cache_hit_tokens_remote += remote
+        seqs = [ScheduledSeq(r, n, self.kv.block_ids(r.request_id)) for r, n in out.scheduled]
+        sampled, result = self.runner.execute(seqs)
+        self.scheduler.update_from_output(out)
+        self.stats.num_steps += 1
+
+        now = time.monotonic()
+        deltas = []
+        for request, token, logprobs in zip(sampled, result.token_ids, result.logprobs, strict=True):
+            request.append_output_token(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.scheduler.finish_request(request, status)
+                self.stats.finished[status.finish_reason] += 1
+            if logprobs is not None:
+                request.logprobs.append(logprobs)
+            text = (
+                request.detokenizer.take_delta(request.is_finished) if request.detokenizer else ""
+            )
+            deltas.append(
+                RequestDelta(
+                    request_id=request.request_id,
+                    new_token_ids=[token],
+                    new_text=text,
+                    finished=request.is_finished,
+                    finish_reason=request.finish_reason,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_output_tokens=request.num_output_tokens,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    num_remote_cached_tokens=request.num_remote_cached_tokens,
+                    stop_reason=request.stop_reason,
+                    logprobs=[logprobs] if logprobs is not None else None,
+                )
+            )
+        self.stats.generation_tokens += len(deltas)
+        self._update_gauges()
+        return deltas
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        reached_min = request.num_output_tokens >= params.min_tokens
+        stop_str = request.detokenizer.append(token, reached_min) if request.detokenizer else None
+        # Before min_tokens, the sampler cannot pick EOS or stop tokens and stop strings wait.
+        if reached_min:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if stop_str is not None:
+                request.stop_reason = stop_str
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _update_gauges(self) -> None:
+        s = self.stats
+        s.num_running = self.scheduler.num_running
+        s.num_waiting = self.scheduler.num_waiting
+        s.kv_usage = self.kv.usage()
+        s.num_free_blocks = self.kv.pool.num_free_blocks
+
+    # -- introspection ---------------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model": self.config.model,
+            "model_dir": str(self.model_dir),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "max_model_len": self.max_model_len,
+            "block_size": self.config.block_size,
+            "num_kv_blocks": self.num_blocks,
+            "hash_salt": self.hash_salt,
+        }

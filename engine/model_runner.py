@@ -1,0 +1,150 @@
+"""Packs a step into one flat batch, runs the model, samples.
+
+The runner owns the KV cache tensors (one K and one V tensor per layer, ``[num_blocks,
+block_size, num_kv_heads, head_dim]``); which block belongs to whom is the KVCacheManager's
+business and arrives here as explicit block id lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.model.config import ModelConfig
+from engine.model.llama import LlamaForCausalLM
+from engine.request import Request
+from engine.sampler import Sampler, SamplerOutput
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_requests: list[Request]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        model_cfg: ModelConfig,
+        backend: AttentionBackend,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        sampler: Sampler,
+    ) -> None:
+        self.model = model
+        self.cfg = model_cfg
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.sampler = sampler
+        shape = (num_blocks, block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(model_cfg.num_layers)
+        ]
+
+    def prepare(self, seqs: list[ScheduledSeq]) -> BatchInputs:
+        """Order decodes first and build every per-step tensor once."""
+        seqs = sorted(seqs, key=lambda s: s.num_new_tokens != 1)
+        num_decodes = sum(1 for s in seqs if s.num_new_tokens == 1)
+        input_ids: list[int] = []
+        starts: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sample_requests: list[Request] = []
+        max_blocks = 1
+        for i, s in enumerate(seqs):
+            r = s.request
+            start = r.num_computed_tokens
+            end = start + s.num_new_tokens
+            input_ids.extend(r.all_token_ids[start:end])
+            starts.append(start)
+            qsl.append(qsl[-1] + s.num_new_tokens)
+            seq_lens.append(end)
+            max_blocks = max(max_blocks, len(s.block_ids))
+            if end >= r.num_tokens:
+                sample_rows.append(i)
+                sample_requests.append(r)
+        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int64)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int64)
+
+        num_tokens = qsl[-1]
+        qlens = torch.tensor([s.num_new_tokens for s in seqs], dtype=torch.int64)
+        seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), qlens)
+        qsl_t = torch.tensor(qsl, dtype=torch.int64)
+        positions = (
+            torch.arange(num_tokens) - qsl_t[:-1][seq_idx] + torch.tensor(starts)[seq_idx]
+        )
+        slots = tables[seq_idx, positions // self.block_size] * self.block_size + (
+            positions % self.block_size
+        )
+        logits_indices = qsl_t[1:][sample_rows] - 1
+
+        dev = self.device
+        meta = AttentionMetadata(
+            num_tokens=num_tokens,
+            num_decodes=num_decodes,
+            block_size=self.block_size,
+            slot_mapping=slots.to(dev),
+            query_start_loc=qsl_t.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(dev),
+            block_tables=tables.to(dev),
+            max_query_len=int(qlens.max()),
+            max_seq_len=max(seq_lens),
+            query_start_loc_list=qsl,
+            seq_lens_list=seq_lens,
+        )
+        self.backend.prepare(meta)
+        return BatchInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev),
+            positions=positions.to(dev),
+            meta=meta,
+            logits_indices=logits_indices.to(dev),
+            sample_requests=sample_requests,
+        )
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[ScheduledSeq]) -> tuple[list[Request], SamplerOutput]:
+        """Run one step. Returns the requests that sampled a token and what they sampled."""
+        batch = self.prepare(seqs)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        if not batch.sample_requests:
+            return [], SamplerOutput([], [])
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return batch.sample_requests, self.sampler(logits, batch.sample_requests)
+
+    # -- KV transfer (prefix sharing between replicas) --------------------------------------------
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """KV of the given blocks as one tensor ``[layers, 2, n, block_size, kv_heads, dim]``."""
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return torch.stack(
+            [torch.stack((k.index_select(0, idx), v.index_select(0, idx))) for k, v in self.kv_caches]
+        )
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        data = data.to(device=self.device, dtype=self.dtype)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(0, idx, data[layer, 0])
+            v.index_copy_(0, idx, data[layer, 1])

@@ -1,0 +1,138 @@
+"""A request and its state machine.
+
+    WAITING ──schedule──> RUNNING ──stop/eos──> FINISHED_STOPPED
+       ^                    │  │ ──max_tokens─> FINISHED_LENGTH
+       │                    │  └──preempt───> PREEMPTED ──schedule──> RUNNING
+       └────────────────────┴── abort (from any unfinished state) ──> FINISHED_ABORTED
+
+``num_computed_tokens`` is the single source of truth for progress: the first
+``num_computed_tokens`` of ``all_token_ids`` have their KV in the request's blocks. A preempted
+request drops its blocks, so its ``num_computed_tokens`` returns to 0 and it recomputes (its prefix
+may hit the cache again).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from engine.block_hash import BlockHash, extend_block_hashes
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+_ALLOWED = {
+    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
+    RequestStatus.PREEMPTED: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
+    RequestStatus.RUNNING: {
+        RequestStatus.PREEMPTED,
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+    },
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: frozenset[int] = frozenset(),
+        priority: int = 0,
+        arrival_time: float | None = None,
+        detokenizer: IncrementalDetokenizer | None = None,
+        block_size: int = 16,
+        hash_salt: str = "",
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.detokenizer = detokenizer
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        # Prompt tokens served from the prefix cache at first scheduling (-1: not yet scheduled).
+        self.num_cached_tokens = -1
+        self.num_remote_cached_tokens = 0
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[dict] = []
+        self.block_size = block_size
+        self.hash_salt = hash_salt
+        self.block_hashes: list[BlockHash] = []
+        self.first_token_time: float | None = None
+        # torch.Generator of a seeded request, set by the engine.
+        self.generator: Any = None
+        self.update_block_hashes()
+
+    # -- derived ---------------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    # -- transitions -----------------------------------------------------------------------------
+    def set_status(self, status: RequestStatus) -> None:
+        if status not in _ALLOWED.get(self.status, set()):
+            raise RuntimeError(f"request {self.request_id}: {self.status.name} -> {status.name}")
+        self.status = status
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self.update_block_hashes()
+
+    def update_block_hashes(self) -> None:
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.hash_salt)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,122 @@
+"""Turning a step's logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
+
+Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), which draws exactly
+from ``p`` and lets a seeded request draw its noise from its own generator, so its tokens do not
+depend on what else shares the batch. Logprobs are those of the model's raw distribution (before
+temperature and filters), as OpenAI and vLLM report them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """``logits [S, V]`` (float32), one row per request, in the same order."""
+        logits = logits.float()
+        if logits.device.type != "cpu":
+            logits = logits.cpu()
+        params = [r.sampling_params for r in requests]
+        raw = logits
+        logits = self._suppress_stops(logits, requests)
+
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, requests, greedy)
+
+        token_list = tokens.tolist()
+        out_logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            lp = torch.log_softmax(raw[wanted], dim=-1)
+            k = max(params[i].logprobs or 0 for i in wanted)
+            top_vals, top_ids = lp.topk(k, dim=-1) if k else (None, None)
+            for row, i in enumerate(wanted):
+                n = params[i].logprobs or 0
+                top = []
+                if n and top_ids is not None and top_vals is not None:
+                    top = list(
+                        zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist(), strict=True)
+                    )
+                out_logprobs[i] = TokenLogprobs(
+                    token_list[i], float(lp[row, token_list[i]]), top
+                )
+        return SamplerOutput(token_list, out_logprobs)
+
+    @staticmethod
+    def _suppress_stops(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Before ``min_tokens``, EOS and stop tokens cannot be sampled."""
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if r.num_output_tokens < p.min_tokens:
+                banned = set(p.stop_token_ids)
+                if not p.ignore_eos:
+                    banned |= r.eos_token_ids
+                for t in banned:
+                    if t < logits.shape[1]:
+                        rows.append(i)
+                        cols.append(t)
+        if rows:
+            logits = logits.clone()
+            logits[rows, cols] = float("-inf")
+        return logits
+
+    def _sample(
+        self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]
+    ) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        greedy_tokens = logits.argmax(dim=-1)
+        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])
+        x = logits / temps[:, None]
+
+        vocab = x.shape[1]
+        top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        if any(k < vocab for k in top_ks):
+            kmax = max(top_ks)
+            kth = x.topk(kmax, dim=-1).values
+            idx = torch.tensor(top_ks)[:, None] - 1
+            threshold = kth.gather(1, idx)
+            x = x.masked_fill(x < threshold, float("-inf"))
+
+        top_ps = torch.tensor([p.top_p for p in params])
+        if (top_ps < 1.0).any():
+            sorted_x, order = x.sort(dim=-1, descending=True)
+            probs = sorted_x.softmax(dim=-1)
+            # Drop a token once the mass before it already reaches top_p (the first always stays).
+            drop = (probs.cumsum(dim=-1) - probs) >= top_ps[:, None]
+            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+            x = torch.empty_like(x).scatter_(1, order, sorted_x)
+
+        probs = x.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(requests):
+            gen = r.generator if r.generator is not None else self.generator
+            noise[i].exponential_(generator=gen)
+        tokens = (probs / noise).argmax(dim=-1)
+        greedy_mask = torch.tensor(greedy)
+        return torch.where(greedy_mask, greedy_tokens, tokens)

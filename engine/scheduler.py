@@ -1,0 +1,213 @@
+"""Iteration-level scheduling under a token budget.
+
+Each ``schedule()`` builds one step:
+
+1. Running requests first, in order: a decode costs 1 token, an unfinished prefill a chunk of at
+   most the remaining budget. When the pool cannot hold a running request's next tokens, the
+   lowest-priority running request that is not yet scheduled this step is preempted (its blocks
+   freed, its progress reset; it goes back to the waiting queue and recomputes later).
+2. Then waiting requests, in policy order, while the budget, ``max_num_seqs`` and the blocks allow,
+   each admitted with its prefix-cache hit and leaving a watermark of free blocks. Admission stops
+   at the first request that does not fit (no overtaking, so no starvation), and is skipped
+   entirely in a step that had to preempt.
+
+Prefill chunks and decodes share a step, so a long prompt never stalls running streams.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: ``scheduled[i] = (request, num_new_tokens)``."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # Requests admitted for the first time this step (their prefix-cache hit is now known).
+    first_scheduled: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """Requests ordered by the policy's key; preempted requests keep their original key, so under
+    FCFS they come back ahead of everything that arrived after them."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._keys: list[tuple] = []
+        self._reqs: list[Request] = []
+        self._seq = itertools.count()
+
+    def key(self, request: Request) -> tuple:
+        seq = getattr(request, "_queue_seq", None)
+        if seq is None:
+            seq = next(self._seq)
+            request._queue_seq = seq  # type: ignore[attr-defined]
+        if self.policy == "priority":
+            return (request.priority, request.arrival_time, seq)
+        return (request.arrival_time, seq)
+
+    def push(self, request: Request) -> None:
+        key = self.key(request)
+        i = bisect.bisect_right(self._keys, key)
+        self._keys.insert(i, key)
+        self._reqs.insert(i, request)
+
+    def peek(self) -> Request:
+        return self._reqs[0]
+
+    def pop(self) -> Request:
+        self._keys.pop(0)
+        return self._reqs.pop(0)
+
+    def remove(self, request: Request) -> bool:
+        for i, r in enumerate(self._reqs):
+            if r is request:
+                del self._keys[i]
+                del self._reqs[i]
+                return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def __iter__(self):
+        return iter(self._reqs)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions_total = 0
+
+    # -- queue management ------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Move a request to a finished state and release everything it holds."""
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.set_status(status)
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step --------------------------------------------------------------------------------
+    def _victim(self, candidates: list[Request]) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.set_status(RequestStatus.PREEMPTED)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.push(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self._victim(self.running[i:])
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            # The request preempted itself: nothing after it can fit either.
+            break
+
+        if out.preempted:
+            return out
+
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(request, num_new, computed_blocks, use_watermark=True):
+                break
+            self.waiting.pop()
+            request.set_status(RequestStatus.RUNNING)
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+                out.first_scheduled.append(request)
+            self.running.append(request)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+        return out
+
+    def update_from_output(self, out: SchedulerOutput) -> list[Request]:
+        """Advance progress after the model ran ``out``. Returns the requests that reached the end
+        of their known tokens this step, i.e. that sampled a token."""
+        sampled = []
+        for request, num_new in out.scheduled:
+            request.num_computed_tokens += num_new
+            self.kv.cache_computed_blocks(request)
+            if request.num_computed_tokens >= request.num_tokens:
+                sampled.append(request)
+        return sampled
