@@ -1,0 +1,106 @@
+"""Typed, validated application arguments: the ``args`` of ``serve_config.yaml``.
+
+Ray Serve silently ignores keys it does not know, so every model here forbids extra keys: a typo
+in ``args`` stops the application at start-up with a message naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.config import EngineConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineArgs(_Strict):
+    """Every engine option (see ``engine.config.EngineConfig``) except the model."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    block_size: int = Field(16, gt=0)
+    num_kv_blocks: int | None = Field(None, gt=0)
+    kv_cache_memory_gb: float = Field(1.0, gt=0)
+    max_num_seqs: int = Field(64, gt=0)
+    max_num_batched_tokens: int = Field(2048, gt=0)
+    max_model_len: int | None = Field(None, gt=0)
+    enable_prefix_caching: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    watermark: float = Field(0.01, ge=0, lt=1)
+    attention_backend: Literal["auto", "torch", "flash"] = "auto"
+    # None: as many threads as the replica's num_cpus.
+    num_threads: int | None = Field(None, gt=0)
+    seed: int = 0
+
+
+class RouterArgs(_Strict):
+    """Weights and thresholds of the prefix-aware routing cost (see ``router/``)."""
+
+    prefill_cost_per_block: float = Field(1.0, ge=0)
+    load_cost_per_request: float = Field(4.0, ge=0)
+    transfer_cost_per_block: float = Field(0.25, ge=0)
+    min_match_blocks: int = Field(1, ge=0)
+    imbalance_abs: int = Field(8, ge=0)
+    imbalance_rel: float = Field(2.0, ge=1)
+    stats_period_s: float = Field(1.0, gt=0)
+
+
+class KVSharingArgs(_Strict):
+    """Prefix KV blocks published to Ray's object store and imported by other replicas."""
+
+    enabled: bool = True
+    capacity_bytes: int = Field(2 << 30, gt=0)
+    eviction: Literal["lru", "fifo"] = "lru"
+    min_blocks: int = Field(4, ge=1)
+    fetch_timeout_s: float = Field(5.0, gt=0)
+
+
+class LimitsArgs(_Strict):
+    """Admission limits; beyond them requests get a 4xx instead of unbounded memory."""
+
+    max_body_bytes: int = Field(4 << 20, gt=0)
+    max_prompt_tokens: int | None = Field(None, gt=0)
+    max_tokens: int = Field(4096, gt=0)
+    # Requests queued per engine replica before it answers 429.
+    max_waiting_per_replica: int = Field(256, ge=0)
+    # Requests in flight through one ingress replica before it answers 429.
+    max_ongoing_per_ingress: int = Field(1024, gt=0)
+    request_timeout_s: float | None = Field(None, gt=0)
+
+
+class AppArgs(_Strict):
+    model: str = "smollm2-135m-instruct"
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    engine: EngineArgs = EngineArgs()
+    routing_policy: Literal["prefix_aware", "power_of_two", "round_robin"] = "prefix_aware"
+    router: RouterArgs = RouterArgs()
+    kv_sharing: KVSharingArgs = KVSharingArgs()
+    limits: LimitsArgs = LimitsArgs()
+    # Bearer token required on every route but /health; also read from PREFIXSERVE_API_KEY.
+    api_key: str | None = None
+    # Tokens produced within this window after the first are sent as one stream item.
+    stream_interval_ms: float = Field(20.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> AppArgs:
+        self.engine_config()  # raises ValueError naming the field
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def resolved_api_key(self) -> str | None:
+        return self.api_key or os.environ.get("PREFIXSERVE_API_KEY") or None
+
+    def engine_config(self, num_threads: int | None = None) -> EngineConfig:
+        options = self.engine.model_dump()
+        if options["num_threads"] is None:
+            options["num_threads"] = num_threads
+        return EngineConfig(model=self.model, tokenizer=self.tokenizer, **options)
