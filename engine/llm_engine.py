@@ -84,7 +84,9 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         hf_config, generation_config = load_hf_config(self.model_dir)
         self.model_cfg = model_config_from_hf(hf_config, generation_config)
-        self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else self.model_dir)
+        self.tokenizer = load_tokenizer(
+            Path(config.tokenizer) if config.tokenizer else self.model_dir
+        )
         eos = set(self.model_cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -127,6 +129,7 @@ class LLMEngine:
             self.sampler,
         )
         self.stats = EngineStats(num_blocks=num_blocks)
+        self._update_gauges()
         logger.info(
             "engine ready: %s (%s, %s, attention=%s), %d KV blocks of %d tokens",
             self.model_dir,
@@ -151,14 +154,18 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt: must not be empty")
         vocab = self.model_cfg.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
+        if any(
+            not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids
+        ):
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens leave no room to generate within "
                 f"max_model_len={self.max_model_len}"
             )
-        needed = cdiv(min(len(token_ids) + params.max_tokens, self.max_model_len), self.config.block_size)
+        needed = cdiv(
+            min(len(token_ids) + params.max_tokens, self.max_model_len), self.config.block_size
+        )
         if needed > self.num_blocks:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens plus max_tokens={params.max_tokens} need "
@@ -175,6 +182,27 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> Request:
         """Queue a request; no model work happens here."""
+        request = self.make_request(
+            request_id, prompt, params, priority=priority, arrival_time=arrival_time
+        )
+        self.add_prepared_request(request)
+        return request
+
+    def add_prepared_request(self, request: Request) -> None:
+        """Queue a request built by ``make_request`` (possibly on another thread)."""
+        self.scheduler.add_request(request)
+        self._update_gauges()
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and build a request without touching engine state (thread-safe)."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(token_ids, params)
@@ -199,7 +227,6 @@ class LLMEngine:
         )
         if params.seed is not None:
             request.generator = torch.Generator().manual_seed(params.seed)
-        self.scheduler.add_request(request)
         return request
 
     def abort_request(self, request_id: str) -> bool:
@@ -207,6 +234,7 @@ class LLMEngine:
         if request is None:
             return False
         self.stats.finished["abort"] += 1
+        self._update_gauges()
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -231,7 +259,9 @@ class LLMEngine:
 
         now = time.monotonic()
         deltas = []
-        for request, token, logprobs in zip(sampled, result.token_ids, result.logprobs, strict=True):
+        for request, token, logprobs in zip(
+            sampled, result.token_ids, result.logprobs, strict=True
+        ):
             request.append_output_token(token)
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -277,7 +307,10 @@ class LLMEngine:
             if stop_str is not None:
                 request.stop_reason = stop_str
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -1,0 +1,44 @@
+"""The application builder named by ``serve_config.yaml`` (``deployments.app:build_app``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import DeploymentActorConfig
+
+from deployments.config import AppArgs
+from deployments.engine_replica import REGISTRY_ACTOR, EngineReplica
+from deployments.ingress import Ingress
+from deployments.registry import ReplicaRegistry
+
+
+def engine_deployment(args: AppArgs) -> Any:
+    actors = [
+        DeploymentActorConfig(
+            name=REGISTRY_ACTOR, actor_class=ReplicaRegistry, actor_options={"num_cpus": 0}
+        )
+    ]
+    options: dict[str, Any] = {"name": "Engine", "deployment_actors": actors}
+    return serve.deployment(EngineReplica).options(**options)
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Validate ``args`` (unknown keys are errors) and bind Ingress -> Engine."""
+    return build(AppArgs.model_validate(args or {}))
+
+
+def build(
+    args: AppArgs,
+    engine_options: dict[str, Any] | None = None,
+    ingress_options: dict[str, Any] | None = None,
+) -> Application:
+    """The application graph; the options override deployment settings (replicas, CPUs) for
+    programmatic use, where ``serve_config.yaml``'s ``deployments`` section is absent."""
+    plain = args.model_dump()
+    engine = engine_deployment(args)
+    if engine_options:
+        engine = engine.options(**engine_options)
+    ingress = Ingress.options(**ingress_options) if ingress_options else Ingress
+    return ingress.bind(engine.bind(plain), plain)

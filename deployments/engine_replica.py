@@ -1,0 +1,198 @@
+"""The engine deployment: each replica runs one AsyncEngine and streams results back.
+
+A replica's lifecycle: load the model, start the engine thread, then every second report health
+and metrics to the replica registry. Serve polls ``record_routing_stats`` for the request router
+and ``check_health`` to replace a replica whose engine loop died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray import serve
+
+from deployments.config import AppArgs
+from deployments.engine_request import EngineRequest, error_item
+from deployments.metrics import ReplicaMetrics
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestDelta
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("ray.serve")
+
+REGISTRY_ACTOR = "registry"
+REPORT_PERIOD_S = 1.0
+
+
+def _assigned_cpus() -> int | None:
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+    return max(1, round(cpus)) if cpus else None
+
+
+class EngineReplica:
+    def __init__(self, args: dict[str, Any]) -> None:
+        self.args = AppArgs.model_validate(args)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.started_at = time.time()
+        self.engine = LLMEngine(self.args.engine_config(num_threads=_assigned_cpus()))
+        self.async_engine = AsyncEngine(self.engine)
+        self.async_engine.start()
+        self.metrics = ReplicaMetrics(self.replica_id)
+        self.coalesce_s = self.args.stream_interval_ms / 1000.0
+        self._registry: Any = None
+        self._reporter: asyncio.Task | None = None
+        self._routing_stats: dict[str, Any] = self._routing_snapshot(self.engine)
+
+    # -- serving ---------------------------------------------------------------------------------
+    async def generate(self, req: EngineRequest) -> AsyncIterator[dict[str, Any]]:
+        """Stream dict items for one request (see ``_item``); an error is a single item with an
+        ``error`` key, never an exception, so the ingress can map it to an HTTP status."""
+        self._ensure_reporter()
+        limit = self.args.limits.max_waiting_per_replica
+        if limit and self.engine.scheduler.num_waiting >= limit:
+            yield error_item(
+                429,
+                "engine replica overloaded: too many queued requests",
+                "overloaded_error",
+                "overloaded",
+            )
+            return
+        try:
+            params = SamplingParams(**req.sampling)
+        except ValueError as e:
+            yield error_item(400, str(e), "invalid_request_error")
+            return
+        arrival = time.monotonic()
+        first_at: float | None = None
+        last: RequestDelta | None = None
+        timeout_s = req.timeout_s or self.args.limits.request_timeout_s
+        stream = self.async_engine.generate(
+            req.request_id,
+            req.prompt_token_ids,
+            params,
+            priority=req.priority,
+            coalesce_s=self.coalesce_s,
+        )
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for batch in stream:
+                    if first_at is None:
+                        first_at = time.monotonic()
+                    last = batch[-1]
+                    yield self._item(batch)
+        except TimeoutError:
+            yield self._timeout_item(req, last)
+        except ValueError as e:
+            yield error_item(400, str(e), "invalid_request_error")
+        except EngineDeadError as e:
+            yield error_item(503, str(e), "engine_error", "engine_dead")
+        finally:
+            await stream.aclose()
+            if last is not None and last.finished and first_at is not None:
+                n = last.num_output_tokens
+                tpot = (time.monotonic() - first_at) / (n - 1) if n > 1 else None
+                self.metrics.observe_request(first_at - arrival, tpot)
+
+    def _item(self, batch: list[RequestDelta]) -> dict[str, Any]:
+        last = batch[-1]
+        logprobs = None
+        if any(d.logprobs for d in batch):
+            logprobs = [
+                (lp.token_id, lp.logprob, lp.top) for d in batch for lp in (d.logprobs or [])
+            ]
+        return {
+            "replica_id": self.replica_id,
+            "token_ids": [t for d in batch for t in d.new_token_ids],
+            "text": "".join(d.new_text for d in batch),
+            "finished": last.finished,
+            "finish_reason": last.finish_reason,
+            "stop_reason": last.stop_reason,
+            "prompt_tokens": last.num_prompt_tokens,
+            "completion_tokens": last.num_output_tokens,
+            "cached_tokens": last.num_cached_tokens,
+            "remote_cached_tokens": last.num_remote_cached_tokens,
+            "logprobs": logprobs,
+        }
+
+    def _timeout_item(self, req: EngineRequest, last: RequestDelta | None) -> dict[str, Any]:
+        return {
+            "replica_id": self.replica_id,
+            "token_ids": [],
+            "text": "",
+            "finished": True,
+            "finish_reason": "timeout",
+            "stop_reason": None,
+            "prompt_tokens": len(req.prompt_token_ids),
+            "completion_tokens": last.num_output_tokens if last else 0,
+            "cached_tokens": last.num_cached_tokens if last else 0,
+            "remote_cached_tokens": last.num_remote_cached_tokens if last else 0,
+            "logprobs": None,
+        }
+
+    # -- reporting -------------------------------------------------------------------------------
+    def _routing_snapshot(self, engine: LLMEngine) -> dict[str, Any]:
+        """Runs on the engine thread, where the block pool is consistent."""
+        return {
+            "replica_id": self.replica_id,
+            "started_at": self.started_at,
+            "block_size": engine.block_size,
+            "num_running": engine.scheduler.num_running,
+            "num_waiting": engine.scheduler.num_waiting,
+            "kv_free_blocks": engine.kv.pool.num_free_blocks,
+            "kv_total_blocks": engine.kv.pool.num_blocks,
+            "cached_block_hashes": engine.kv.pool.cached_hashes(),
+            "reported_at": time.time(),
+        }
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        self._ensure_reporter()
+        with contextlib.suppress(Exception):
+            self._routing_stats = await asyncio.wait_for(
+                self.async_engine.call(self._routing_snapshot), timeout=2.0
+            )
+        return self._routing_stats
+
+    def check_health(self) -> None:
+        self.async_engine.check_health()
+
+    def _ensure_reporter(self) -> None:
+        if self._reporter is None or self._reporter.done():
+            self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
+
+    async def _report_loop(self) -> None:
+        while True:
+            try:
+                await self._report_once()
+            except Exception:  # noqa: BLE001 - reporting must never take the replica down
+                logger.warning("replica report failed", exc_info=True)
+                self._registry = None
+            await asyncio.sleep(REPORT_PERIOD_S)
+
+    async def _report_once(self) -> None:
+        self.metrics.update(self.engine.stats)
+        if self._registry is None:
+            self._registry = serve.get_deployment_actor(REGISTRY_ACTOR)
+        report = {
+            "healthy": self.async_engine.is_alive,
+            "started_at": self.started_at,
+            "metrics": self.metrics.snapshot(),
+            "model": self.engine.model_info(),
+        }
+        await self._registry.report.remote(self.replica_id, report)
+
+    async def cluster_report(self) -> dict[str, dict[str, Any]]:
+        """Every live replica's latest report (read from the registry)."""
+        self._ensure_reporter()
+        await self._report_once()
+        return await self._registry.live.remote()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.async_engine.shutdown(timeout=1.0)

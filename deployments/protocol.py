@@ -1,0 +1,197 @@
+"""OpenAI-compatible request schemas (pydantic) and their mapping onto SamplingParams.
+
+Unknown fields are ignored, as OpenAI's own API and vLLM do, so that any client works; fields we
+know but do not implement (``n > 1``, ``echo``, penalties, ``logit_bias``, tools) are rejected
+with a 400 naming the field rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+class ProtocolError(ValueError):
+    """An invalid request: becomes a 400 with ``param`` naming the field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: StrictInt | None = None
+    min_tokens: StrictInt = 0
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    priority: StrictInt = 0
+    user: str | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+
+    def _check_unsupported(self) -> None:
+        if self.n != 1:
+            raise ProtocolError("n: only n=1 is supported", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ProtocolError(f"{name}: not supported", name)
+        if self.repetition_penalty not in (None, 1, 1.0):
+            raise ProtocolError("repetition_penalty: not supported", "repetition_penalty")
+        if self.logit_bias:
+            raise ProtocolError("logit_bias: not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise ProtocolError(
+                "stream_options: only allowed when stream is true", "stream_options"
+            )
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int
+    ) -> SamplingParams:
+        self._check_unsupported()
+        kwargs: dict[str, Any] = {
+            "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": -1 if self.top_k is None else self.top_k,
+            "min_tokens": self.min_tokens,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids or [],
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            field = str(e).split(":", 1)[0]
+            raise ProtocolError(str(e), field if field in kwargs else None) from e
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    suffix: str | None = None
+    best_of: StrictInt | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            if len(p) != 1:
+                raise ProtocolError("prompt: only one prompt per request is supported", "prompt")
+            p = p[0]
+        if isinstance(p, str):
+            if not p:
+                raise ProtocolError("prompt: must not be empty", "prompt")
+            return p
+        if not p:
+            raise ProtocolError("prompt: must not be empty", "prompt")
+        return list(p)  # type: ignore[arg-type]
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        if self.echo:
+            raise ProtocolError("echo: not supported", "echo")
+        if self.suffix:
+            raise ProtocolError("suffix: not supported", "suffix")
+        if self.best_of not in (None, 1):
+            raise ProtocolError("best_of: not supported", "best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ProtocolError(f"logprobs: must be in [0, {MAX_LOGPROBS}]", "logprobs")
+        return self.sampling_params(self.max_tokens, self.logprobs, default_max_tokens)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: StrictBool = True
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _non_empty(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("must contain at least one message")
+        return v
+
+    def conversation(self) -> list[dict[str, str]]:
+        # "developer" is OpenAI's newer name for "system"; chat templates know "system".
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        if self.tools:
+            raise ProtocolError("tools: not supported", "tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ProtocolError("response_format: only type 'text' is supported", "response_format")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ProtocolError(f"top_logprobs: must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise ProtocolError("top_logprobs: requires logprobs to be true", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+        field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        try:
+            return self.sampling_params(max_tokens, logprobs, default_max_tokens)
+        except ProtocolError as e:
+            if e.param == "max_tokens":
+                e.param = field
+            raise

@@ -1,0 +1,223 @@
+"""An LLMEngine driven by one background thread, fed and drained from asyncio.
+
+Ownership: only the engine thread touches the LLMEngine after ``start()``. Other threads talk to it
+through ``_commands`` (a thread-safe queue of callables run between steps) and receive results on
+per-request asyncio queues. Admission is a queue put: validation runs on the caller's thread
+(``make_request`` reads only immutable engine state), and no model work ever happens on the request
+path.
+
+Results reach the event loop once per engine step (one ``call_soon_threadsafe`` carrying every
+delta of the step), not once per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestDelta
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an exception; every live stream ends with this error."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    finished: bool = False
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self.idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.last_step_at = time.monotonic()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put(lambda: None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def check_health(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop died: {self.error!r}") from self.error
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineDeadError("engine loop is not running")
+
+    # -- requests --------------------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        coalesce_s: float = 0.0,
+        before_add: Callable[[Any], None] | None = None,
+    ) -> AsyncIterator[list[RequestDelta]]:
+        """Stream the request's deltas, in batches. Raises ValueError for invalid input before
+        anything is queued; leaving the iteration early (client gone, cancellation) aborts the
+        request and frees its blocks.
+
+        The first token goes out alone and at once; after it, deltas that arrive within
+        ``coalesce_s`` of the previous batch are merged into one, since every item that crosses a
+        process boundary costs CPU.
+        """
+        self.check_health()
+        request = self.engine.make_request(request_id, prompt, params, priority=priority)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id: {request_id!r} is already running")
+            self._streams[request_id] = stream
+
+        def add() -> None:
+            try:
+                if before_add is not None:
+                    before_add(request)
+                self.engine.add_prepared_request(request)
+            except Exception as e:  # noqa: BLE001 - belongs to this request only
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+
+        self._commands.put(add)
+        last_yield: float | None = None
+        try:
+            while True:
+                batch = [await stream.queue.get()]
+                if last_yield is not None and coalesce_s > 0 and not _ends(batch):
+                    wait = coalesce_s - (time.monotonic() - last_yield)
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                while not _ends(batch) and not stream.queue.empty():
+                    batch.append(stream.queue.get_nowait())
+                error = next((b for b in batch if isinstance(b, BaseException)), None)
+                if error is not None:
+                    raise error
+                last_yield = time.monotonic()
+                yield batch
+                if batch[-1].finished:
+                    stream.finished = True
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(lambda: self.engine.abort_request(request_id))
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future:
+        """Run ``fn(engine)`` on the engine thread between steps; await the returned future."""
+        self.check_health()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
+                loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._commands.put(run)
+        return fut
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = (
+                self._commands.get(timeout=self.idle_wait_s)
+                if block
+                else self._commands.get_nowait()
+            )
+        except queue.Empty:
+            return
+        while True:
+            cmd()
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                if not self.engine.has_unfinished_requests():
+                    self.last_step_at = time.monotonic()
+                    continue
+                deltas = self.engine.step()
+                self.last_step_at = time.monotonic()
+                if deltas:
+                    self._dispatch(deltas)
+        except BaseException as e:  # noqa: BLE001 - the loop must report, not vanish
+            logger.exception("engine loop died")
+            self.error = e
+            self._fail_all(EngineDeadError(f"engine loop died: {e!r}"))
+
+    def _dispatch(self, deltas: list[RequestDelta]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestDelta]]] = {}
+        with self._lock:
+            for d in deltas:
+                stream = self._streams.get(d.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream.queue, d))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+
+
+def _ends(batch: list[Any]) -> bool:
+    last = batch[-1]
+    return isinstance(last, BaseException) or last.finished
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, error: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(error)

@@ -1,0 +1,86 @@
+"""One Ray cluster and one Serve instance for every integration test in the session."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_instance() -> Iterator[str]:
+    """A local Ray cluster with Serve's HTTP proxy on a free port; yields the base URL."""
+    import ray
+    from ray import serve
+
+    port = _free_port()
+    ray.init(
+        num_cpus=8,  # logical: replicas take fractions, the 2 physical cores are shared
+        include_dashboard=False,
+        object_store_memory=256 * 1024 * 1024,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}},
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def deploy(
+    base_url: str,
+    args: dict[str, Any],
+    *,
+    num_replicas: int = 2,
+    name: str = "prefixserve",
+    engine_num_cpus: float = 0.5,
+    timeout_s: float = 180.0,
+) -> None:
+    """Deploy the application and wait until /health says every engine replica can serve."""
+    from ray import serve
+
+    from deployments.app import build
+    from deployments.config import AppArgs
+
+    app = build(
+        AppArgs.model_validate(args),
+        engine_options={
+            "num_replicas": num_replicas,
+            "ray_actor_options": {"num_cpus": engine_num_cpus},
+        },
+        ingress_options={"ray_actor_options": {"num_cpus": 0}},
+    )
+    serve.run(app, name=name, route_prefix="/", blocking=False)
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{base_url}/health", timeout=10)
+            last = r.text
+            if r.status_code == 200 and r.json().get("replicas", {}).get("RUNNING") == num_replicas:
+                return
+        except httpx.HTTPError as e:
+            last = repr(e)
+        time.sleep(1.0)
+    raise TimeoutError(f"application not healthy after {timeout_s}s: {last}")
+
+
+def undeploy(name: str = "prefixserve") -> None:
+    from ray import serve
+
+    serve.delete(name)

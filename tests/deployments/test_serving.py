@@ -1,0 +1,234 @@
+"""The OpenAI-compatible service end to end: real Ray Serve, real HTTP, the official client."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.deployments.conftest import deploy, undeploy
+
+pytestmark = pytest.mark.ray
+
+QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_instance: str, tiny_llama_with_tokenizer: Path) -> Iterator[str]:
+    deploy(
+        serve_instance,
+        {
+            "model": str(tiny_llama_with_tokenizer),
+            "served_model_name": "tiny",
+            "engine": {"dtype": "float32", "num_kv_blocks": 256, "max_num_seqs": 16},
+            "stream_interval_ms": 5,
+        },
+    )
+    yield serve_instance
+    undeploy()
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> OpenAI:
+    return OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def metrics(base_url: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def total(m: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
+    want = set(labels.items())
+    return sum(v for (n, lab), v in m.items() if n == name and want <= set(lab))
+
+
+def test_models_health_and_unknown_route(base_url: str, client: OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    health = httpx.get(f"{base_url}/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    r = httpx.get(f"{base_url}/v1/nope")
+    assert r.status_code == 404
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_chat_streamed_equals_non_streamed(client: OpenAI) -> None:
+    kwargs = dict(
+        model="tiny",
+        messages=QUESTION,
+        max_tokens=24,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.chat.completions.create(**kwargs)
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 24
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 24
+
+    chunks = list(
+        client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    usage_chunks = [c for c in chunks if c.usage is not None]
+    assert len(usage_chunks) == 1 and not usage_chunks[0].choices
+    assert usage_chunks[0].usage.completion_tokens == 24
+    # The same prompt again: its full blocks now come from a prefix cache.
+    assert usage_chunks[0].usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_completions_raw_sse_and_token_prompt(base_url: str, client: OpenAI) -> None:
+    body = {
+        "model": "tiny",
+        "prompt": [5, 17, 300, 42, 9, 1000],
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers.get("x-engine-replica")
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["usage"]["prompt_tokens"] == 6
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+    streamed = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    full = client.completions.create(
+        model="tiny",
+        prompt=[5, 17, 300, 42, 9, 1000],
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert full.choices[0].text == streamed
+
+
+def test_shared_prefix_reports_cached_tokens(client: OpenAI) -> None:
+    prefix = list(range(100, 164))  # four full blocks of 16
+    seen = []
+    for suffix in ([7, 8, 9], [10, 11], [12]):
+        r = client.completions.create(
+            model="tiny", prompt=prefix + suffix, max_tokens=2, temperature=0
+        )
+        seen.append(r.usage.prompt_tokens_details.cached_tokens)
+    # With two replicas, at least one of the later requests lands where the prefix is cached.
+    assert seen[0] == 0
+    assert max(seen[1:]) == 64
+
+
+def test_logprobs(client: OpenAI) -> None:
+    r = client.chat.completions.create(
+        model="tiny", messages=QUESTION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob <= 0
+        # Greedy picks the most likely token.
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)
+
+
+def test_disconnect_aborts_and_frees_blocks(base_url: str) -> None:
+    before = metrics(base_url)
+    body = {
+        "model": "tiny",
+        "prompt": "Tell me a long story.",
+        "max_tokens": 900,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data: "):
+                got += 1
+            if got >= 3:
+                break
+    # The connection is closed mid-stream; the engine must abort and release every block.
+    deadline = time.monotonic() + 30
+    while True:
+        m = metrics(base_url)
+        aborted = total(m, "prefixserve_requests_total", finish_reason="abort") - total(
+            before, "prefixserve_requests_total", finish_reason="abort"
+        )
+        running = total(m, "prefixserve_num_requests_running")
+        usage = total(m, "prefixserve_kv_cache_usage_ratio")
+        if aborted >= 1 and running == 0 and usage == 0:
+            break
+        assert time.monotonic() < deadline, (
+            f"not aborted: aborted={aborted} running={running} usage={usage}"
+        )
+        time.sleep(0.5)
+    assert total(m, "prefixserve_kv_cache_free_blocks") == total(m, "prefixserve_kv_cache_blocks")
+
+
+INVALID = [
+    ("chat", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("chat", {"model": "tiny", "messages": "hello"}, 400, "messages"),
+    ("chat", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("chat", {"model": "other", "messages": QUESTION}, 400, "model"),
+    ("chat", {"model": "tiny", "messages": QUESTION, "n": 3}, 400, "n"),
+    (
+        "chat",
+        {"model": "tiny", "messages": QUESTION, "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+    ),
+    ("chat", {"model": "tiny", "messages": QUESTION, "temperature": "hot"}, 400, "temperature"),
+    ("completions", {"model": "tiny", "prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+    ("completions", {"model": "tiny", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": [1, 2, 10**9]}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
+    ("completions", {"model": "tiny", "prompt": list(range(3, 1100))}, 400, "max_tokens"),
+    ("completions", {"model": "tiny"}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": "hi", "logprobs": 99}, 400, "logprobs"),
+    ("completions", {"model": "tiny", "prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("completions", ["not", "an", "object"], 400, None),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "status", "param"), INVALID)
+def test_invalid_requests_get_openai_errors(base_url, endpoint, body, status, param) -> None:
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    r = httpx.post(f"{base_url}{path}", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_malformed_json_and_still_serving(base_url: str, client: OpenAI) -> None:
+    r = httpx.post(
+        f"{base_url}/v1/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400
+    assert "JSON" in r.json()["error"]["message"]
+    ok = client.completions.create(model="tiny", prompt="still alive?", max_tokens=3)
+    assert ok.usage.completion_tokens >= 1
