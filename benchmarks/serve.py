@@ -250,8 +250,11 @@ def make_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
 async def _resolve_model(args: argparse.Namespace) -> str:
     if args.model:
         return args.model
-    async with httpx.AsyncClient(timeout=30.0) as client:
-        return await fetch_first_model(client, args.base_url, args.api_key)
+    try:
+        async with httpx.AsyncClient(timeout=30.0) as client:
+            return await fetch_first_model(client, args.base_url, args.api_key)
+    except (httpx.HTTPError, RuntimeError, ValueError) as e:
+        raise SystemExit(f"cannot find the model at {args.base_url} ({e}); pass --model") from e
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

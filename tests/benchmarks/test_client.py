@@ -105,3 +105,14 @@ def test_arrival_schedule() -> None:
     assert len(many) / times[-1] == pytest.approx(20.0, rel=0.1)
     with pytest.raises(ValueError):
         arrival_schedule(many, 0.0)
+
+
+@pytest.mark.slow
+def test_tokenizer_renderer_resolves_model_names(smollm2_dir: object) -> None:
+    from transformers import AutoTokenizer
+
+    from benchmarks.client import tokenizer_renderer
+
+    ids = AutoTokenizer.from_pretrained(str(smollm2_dir)).encode("The quick brown fox")
+    render = tokenizer_renderer("smollm2-135m-instruct")
+    assert render(ids) == "The quick brown fox"

@@ -148,7 +148,7 @@ def test_trace_limit_caps_and_block_size(tmp_path: Path) -> None:
     assert reqs[0].prompt_token_ids[:32] == hash_id_block(0, 32)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     input_length=st.integers(1, 200_000),
     block_tokens=st.sampled_from([1, 8, 16, 32, 512]),
