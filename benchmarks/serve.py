@@ -61,7 +61,7 @@ def arrival_schedule(
     """
     if request_rate is None:
         times = [r.arrival_time or 0.0 for r in requests]
-        return list(np.maximum.accumulate(times)) if times else []
+        return np.maximum.accumulate(times).tolist() if times else []
     if request_rate <= 0:
         raise ValueError(f"request_rate: must be > 0, got {request_rate}")
     if math.isinf(request_rate):

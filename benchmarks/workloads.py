@@ -10,9 +10,10 @@ must not contain them.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -177,6 +178,26 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def hash_id_blocks(
+    hash_ids: Sequence[int],
+    block_tokens: int,
+    *,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    seed: int = 0,
+) -> np.ndarray:
+    """Token ids for many trace blocks at once: row ``i`` is :func:`hash_id_block` of
+    ``hash_ids[i]`` (an ``int64`` array of shape ``(len(hash_ids), block_tokens)``)."""
+    low, high = safe_id_range(vocab_size)
+    mask = 0xFFFFFFFFFFFFFFFF
+    with np.errstate(over="ignore"):
+        key = _splitmix64(np.array([seed & mask], dtype=np.uint64) * _GOLDEN)
+        ids = np.array([h & mask for h in hash_ids], dtype=np.uint64)
+        keys = _splitmix64(key ^ ids)
+        positions = np.arange(1, block_tokens + 1, dtype=np.uint64)
+        mixed = _splitmix64(keys[:, None] + positions[None, :] * _GOLDEN)
+    return low + (mixed % np.uint64(high - low)).astype(np.int64)
+
+
 def hash_id_block(
     hash_id: int, block_tokens: int, *, vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0
 ) -> list[int]:
@@ -186,13 +207,7 @@ def hash_id_block(
     of any RNG library's stream), so equal hash ids give equal tokens in every request, process
     and run. The first ``k`` tokens of a block do not depend on ``block_tokens``.
     """
-    low, high = safe_id_range(vocab_size)
-    with np.errstate(over="ignore"):
-        key = _splitmix64(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64) * _GOLDEN)
-        key = _splitmix64(key ^ np.uint64(hash_id & 0xFFFFFFFFFFFFFFFF))
-        positions = np.arange(1, block_tokens + 1, dtype=np.uint64)
-        mixed = _splitmix64(key + positions * _GOLDEN)
-    return (low + (mixed % np.uint64(high - low)).astype(np.int64)).tolist()
+    return hash_id_blocks([hash_id], block_tokens, vocab_size=vocab_size, seed=seed)[0].tolist()
 
 
 def read_trace(path: str | Path) -> Iterator[dict]:
@@ -279,12 +294,13 @@ def trace_requests(
     _check_positive(block_tokens=block_tokens)
     if time_scale < 0 or output_scale < 0:
         raise ValueError("time_scale and output_scale must be >= 0")
-    cache: dict[int, list[int]] = {}
-    records: Iterable[dict] = read_trace(path)
+    records = list(itertools.islice(read_trace(path), limit))
+    # Generating every distinct block in one vectorised call is ~50x faster than one by one.
+    distinct = sorted({int(h) for record in records for h in record["hash_ids"]})
+    blocks = hash_id_blocks(distinct, block_tokens, vocab_size=vocab_size, seed=seed).tolist()
+    cache = dict(zip(distinct, blocks, strict=True))
     out: list[WorkloadRequest] = []
-    for i, record in enumerate(records):
-        if limit is not None and i >= limit:
-            break
+    for record in records:
         out.append(
             scale_trace_record(
                 record,

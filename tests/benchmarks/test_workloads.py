@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from benchmarks.workloads import (
     hash_id_block,
+    hash_id_blocks,
     random_requests,
     safe_id_range,
     scale_trace_record,
@@ -101,6 +102,12 @@ def test_hash_id_block_is_a_pure_function() -> None:
     assert hash_id_block(43, 32, vocab_size=1000) != a
     assert hash_id_block(42, 32, vocab_size=1000, seed=1) != a
     assert len(set(a)) > 16  # not degenerate
+    rows = hash_id_blocks([43, 42, 43], 32, vocab_size=1000).tolist()
+    assert rows == [
+        hash_id_block(43, 32, vocab_size=1000),
+        a,
+        hash_id_block(43, 32, vocab_size=1000),
+    ]
 
 
 def _write_trace(path: Path, records: list[dict]) -> Path:
