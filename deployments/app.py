@@ -9,8 +9,9 @@ from ray.serve import Application
 from ray.serve.config import DeploymentActorConfig
 
 from deployments.config import AppArgs
-from deployments.engine_replica import REGISTRY_ACTOR, EngineReplica
+from deployments.engine_replica import KV_DIRECTORY_ACTOR, REGISTRY_ACTOR, EngineReplica
 from deployments.ingress import Ingress
+from deployments.kv_directory import KVDirectory
 from deployments.registry import ReplicaRegistry
 
 
@@ -20,6 +21,18 @@ def engine_deployment(args: AppArgs) -> Any:
             name=REGISTRY_ACTOR, actor_class=ReplicaRegistry, actor_options={"num_cpus": 0}
         )
     ]
+    if args.kv_sharing.enabled:
+        actors.append(
+            DeploymentActorConfig(
+                name=KV_DIRECTORY_ACTOR,
+                actor_class=KVDirectory,
+                init_kwargs={
+                    "capacity_bytes": args.kv_sharing.capacity_bytes,
+                    "eviction": args.kv_sharing.eviction,
+                },
+                actor_options={"num_cpus": 0},
+            )
+        )
     options: dict[str, Any] = {"name": "Engine", "deployment_actors": actors}
     return serve.deployment(EngineReplica).options(**options)
 

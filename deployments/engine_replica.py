@@ -19,6 +19,7 @@ from ray import serve
 
 from deployments.config import AppArgs
 from deployments.engine_request import EngineRequest, error_item
+from deployments.kv_sharing import KVSharing
 from deployments.metrics import ReplicaMetrics
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.llm_engine import LLMEngine
@@ -28,6 +29,7 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger("ray.serve")
 
 REGISTRY_ACTOR = "registry"
+KV_DIRECTORY_ACTOR = "kv_directory"
 REPORT_PERIOD_S = 1.0
 
 
@@ -49,6 +51,15 @@ class EngineReplica:
         self._registry: Any = None
         self._reporter: asyncio.Task | None = None
         self._routing_stats: dict[str, Any] = self._routing_snapshot(self.engine)
+        self.kv_sharing: KVSharing | None = None
+        if self.args.kv_sharing.enabled:
+            self.kv_sharing = KVSharing(
+                self.replica_id,
+                self.async_engine,
+                self.args.kv_sharing,
+                _LazyActor(KV_DIRECTORY_ACTOR),
+                self.metrics,
+            )
 
     # -- serving ---------------------------------------------------------------------------------
     async def generate(self, req: EngineRequest) -> AsyncIterator[dict[str, Any]]:
@@ -73,12 +84,22 @@ class EngineReplica:
         first_at: float | None = None
         last: RequestDelta | None = None
         timeout_s = req.timeout_s or self.args.limits.request_timeout_s
+        before_add = None
+        if self.kv_sharing is not None and req.block_hashes:
+            plan = await self.kv_sharing.plan_import(len(req.prompt_token_ids), req.block_hashes)
+            if plan is not None:
+                sharing = self.kv_sharing
+
+                def before_add(request: Any) -> None:
+                    sharing.install(plan, request)
+
         stream = self.async_engine.generate(
             req.request_id,
             req.prompt_token_ids,
             params,
             priority=req.priority,
             coalesce_s=self.coalesce_s,
+            before_add=before_add,
         )
         try:
             async with asyncio.timeout(timeout_s):
@@ -165,6 +186,8 @@ class EngineReplica:
     def _ensure_reporter(self) -> None:
         if self._reporter is None or self._reporter.done():
             self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
+        if self.kv_sharing is not None:
+            self.kv_sharing.start()
 
     async def _report_loop(self) -> None:
         while True:
@@ -181,11 +204,14 @@ class EngineReplica:
             self._registry = serve.get_deployment_actor(REGISTRY_ACTOR)
         report = {
             "healthy": self.async_engine.is_alive,
+            "node_id": ray.get_runtime_context().get_node_id(),
             "started_at": self.started_at,
             "metrics": self.metrics.snapshot(),
             "model": self.engine.model_info(),
         }
         await self._registry.report.remote(self.replica_id, report)
+        if self.kv_sharing is not None:
+            await self.kv_sharing.directory.heartbeat.remote(self.replica_id)
 
     async def cluster_report(self) -> dict[str, dict[str, Any]]:
         """Every live replica's latest report (read from the registry)."""
@@ -193,6 +219,28 @@ class EngineReplica:
         await self._report_once()
         return await self._registry.live.remote()
 
+    async def kv_directory_stats(self) -> dict[str, Any]:
+        if self.kv_sharing is None:
+            return {}
+        return await self.kv_sharing.directory.stats.remote()
+
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.async_engine.shutdown(timeout=1.0)
+
+
+class _LazyActor:
+    """A deployment-scoped actor handle, resolved on first use and again after a failure (Serve
+    may recreate the actor)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._handle: Any = None
+
+    def __getattr__(self, method: str) -> Any:
+        if self._handle is None:
+            self._handle = serve.get_deployment_actor(self.name)
+        return getattr(self._handle, method)
+
+    def reset(self) -> None:
+        self._handle = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,8 @@ class LLMEngine:
             self.sampler,
         )
         self.stats = EngineStats(num_blocks=num_blocks)
+        # Called on the engine thread when a request's prompt is fully computed (KV sharing).
+        self.on_prefill_done: Callable[[Request], None] | None = None
         self._update_gauges()
         logger.info(
             "engine ready: %s (%s, %s, attention=%s), %d KV blocks of %d tokens",
@@ -265,6 +268,8 @@ class LLMEngine:
             request.append_output_token(token)
             if request.first_token_time is None:
                 request.first_token_time = now
+                if self.on_prefill_done is not None:
+                    self.on_prefill_done(request)
             status = self._check_stop(request, token)
             if status is not None:
                 self.scheduler.finish_request(request, status)

@@ -22,24 +22,32 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def serve_instance() -> Iterator[str]:
-    """A local Ray cluster with Serve's HTTP proxy on a free port; yields the base URL."""
+    """A two-node Ray cluster on this machine (so objects can cross object stores) with Serve's
+    HTTP proxy on the head node at a free port; yields the base URL."""
     import ray
     from ray import serve
+    from ray.cluster_utils import Cluster
 
     port = _free_port()
+    # Logical CPUs: replicas take fractions; the 2 physical cores are shared by everything.
+    node_args = {"num_cpus": 4, "object_store_memory": 192 * 1024 * 1024}
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={**node_args, "include_dashboard": False},
+    )
+    cluster.add_node(**node_args)
     ray.init(
-        num_cpus=8,  # logical: replicas take fractions, the 2 physical cores are shared
-        include_dashboard=False,
-        object_store_memory=256 * 1024 * 1024,
+        address=cluster.address,
         log_to_driver=False,
         runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}},
     )
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
         ray.shutdown()
+        cluster.shutdown()
 
 
 def deploy(
@@ -49,6 +57,7 @@ def deploy(
     num_replicas: int = 2,
     name: str = "prefixserve",
     engine_num_cpus: float = 0.5,
+    engine_options: dict[str, Any] | None = None,
     timeout_s: float = 180.0,
 ) -> None:
     """Deploy the application and wait until /health says every engine replica can serve."""

@@ -1,0 +1,118 @@
+"""Prefix KV blocks shared between replicas through Ray's object store, end to end."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from tests.deployments.conftest import deploy, undeploy
+from tests.deployments.test_serving import metrics, total
+
+pytestmark = pytest.mark.ray
+
+APP = "kvshare"
+
+
+def _args(model: Path) -> dict:
+    return {
+        "model": str(model),
+        "served_model_name": "tiny",
+        "engine": {"dtype": "float32", "num_kv_blocks": 512, "max_num_seqs": 8},
+        "routing_policy": "round_robin",
+        "kv_sharing": {"enabled": True, "min_blocks": 4},
+    }
+
+
+def _complete(base_url: str, prompt: list[int]) -> httpx.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True}
+    r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _directory_stats() -> dict:
+    handle = serve.get_deployment_handle("Engine", APP)
+    return handle.kv_directory_stats.remote().result()
+
+
+def _wait_published(min_entries: int, timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = _directory_stats()
+        if stats["entries"] >= min_entries:
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.3)
+
+
+def _on_other_replica(base_url: str, prompt: list[int], first_replica: str) -> httpx.Response:
+    """Send ``prompt`` until a replica other than ``first_replica`` serves it."""
+    for _ in range(12):
+        r = _complete(base_url, prompt)
+        if r.headers["x-engine-replica"] != first_replica:
+            return r
+    raise AssertionError("every request went to the same replica")
+
+
+@pytest.mark.parametrize("placement", ["same-node", "two-nodes"])
+def test_second_replica_imports_prefix(serve_instance, tiny_llama_with_tokenizer, placement):
+    options = {"max_replicas_per_node": 1} if placement == "two-nodes" else {}
+    deploy(serve_instance, _args(tiny_llama_with_tokenizer), name=APP, engine_options=options)
+    try:
+        if placement == "two-nodes":
+            reports = serve.get_deployment_handle("Engine", APP).cluster_report.remote().result()
+            assert len({r["node_id"] for r in reports.values()}) == 2
+        rng = random.Random(5)
+        prompt = [rng.randrange(100, 40000) for _ in range(600)]
+        cold = _complete(serve_instance, prompt)
+        replica_a = cold.headers["x-engine-replica"]
+        assert cold.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        _wait_published(min_entries=37)  # 600 tokens = 37 full blocks of 16
+        before = total(metrics(serve_instance), "prefixserve_prefix_cache_hit_tokens_total",
+                       source="remote")
+
+        warm = _on_other_replica(serve_instance, prompt, replica_a)
+        cached = warm.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= 512
+        assert warm.json()["choices"][0]["text"] == cold.json()["choices"][0]["text"]
+        after = total(metrics(serve_instance), "prefixserve_prefix_cache_hit_tokens_total",
+                      source="remote")
+        assert after - before == cached
+    finally:
+        undeploy(APP)
+
+
+def test_owner_death_falls_back_to_recompute(serve_instance, tiny_llama_with_tokenizer):
+    deploy(serve_instance, _args(tiny_llama_with_tokenizer), name=APP)
+    try:
+        rng = random.Random(6)
+        prompt = [rng.randrange(100, 40000) for _ in range(300)]
+        cold = _complete(serve_instance, prompt)
+        owner = cold.headers["x-engine-replica"]
+        stats = _wait_published(min_entries=18)
+        assert stats["owners"].get(owner, 0) >= 18
+
+        actor = next(
+            a for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].endswith(owner) and "Engine" in a["name"]
+        )
+        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+
+        # Later requests with the same prefix still succeed (recomputed where needed) ...
+        for _ in range(4):
+            r = _complete(serve_instance, prompt)
+            assert r.json()["choices"][0]["text"] == cold.json()["choices"][0]["text"]
+        # ... and the directory forgets the dead replica's blocks.
+        deadline = time.monotonic() + 60
+        while _directory_stats()["owners"].get(owner, 0):
+            assert time.monotonic() < deadline, "dead owner's entries were not dropped"
+            time.sleep(1.0)
+    finally:
+        undeploy(APP)
