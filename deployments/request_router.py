@@ -121,7 +121,19 @@ class PolicyRequestRouter(RequestRouter):
             now,
             request_directory_hashes(pending_request),
         )
-        return [[by_key[key] for key in rank] for rank in ranks if rank]
+        ranked = [[by_key[key] for key in rank] for rank in ranks if rank]
+        # Replicas believed full go last: Serve would probe each one before moving on.
+        full = [all(self._believed_full(r) for r in rank) for rank in ranked]
+        if any(full) and not all(full):
+            ranked = [rank for rank, f in zip(ranked, full, strict=True) if not f] + [
+                rank for rank, f in zip(ranked, full, strict=True) if f
+            ]
+        return ranked
+
+    def _believed_full(self, replica: RunningReplica) -> bool:
+        view = self._policy.view(replica_key(replica.replica_id))
+        limit = getattr(replica, "max_ongoing_requests", None)
+        return view is not None and limit is not None and view.estimated_load >= limit
 
     def _ingest_stats(self, key: str, replica: RunningReplica, now: float) -> None:
         stats = getattr(replica, "routing_stats", None)

@@ -177,6 +177,40 @@ class PrefixAwarePolicy(RoutingPolicy):
         directory_hashes: Container[int] | None = None,
     ) -> list[CandidateScore]:
         """The cost terms of every candidate, in candidate order."""
+        return [
+            CandidateScore(*terms)
+            for terms in self._cost_terms(candidates, block_hashes, now, directory_hashes)
+        ]
+
+    def rank(
+        self,
+        candidates: Sequence[str],
+        block_hashes: Sequence[int],
+        now: float,
+        directory_hashes: Container[int] | None = None,
+    ) -> Ranks:
+        if not candidates:
+            return []
+        terms = self._cost_terms(candidates, block_hashes, now, directory_hashes)
+        if max(t[1] for t in terms) < self.config.min_match_blocks:
+            self._count("fallback")
+            return self._power_of_two(candidates)
+        rand = self.rng.random
+        # (hot, cost, tie-break): the guard first, then the cost, ties at random.
+        keyed = [(t[6], t[5], rand(), t[0]) for t in terms]
+        keyed.sort()
+        unguarded_best = min(keyed, key=lambda k: k[1:3])
+        self._count("guarded" if unguarded_best is not keyed[0] else "prefix")
+        return [[k[3]] for k in keyed]
+
+    def _cost_terms(
+        self,
+        candidates: Sequence[str],
+        block_hashes: Sequence[int],
+        now: float,
+        directory_hashes: Container[int] | None,
+    ) -> list[tuple[str, int, int, int, int, float, bool]]:
+        """``CandidateScore`` fields per candidate, as tuples (the hot path builds no objects)."""
         cfg = self.config
         ttl = cfg.decision_ttl_s
         n = len(block_hashes)
@@ -189,49 +223,23 @@ class PrefixAwarePolicy(RoutingPolicy):
                 run_end[i] = run_end[i + 1] if block_hashes[i] in directory_hashes else i
         views = [self.state.view(r) for r in candidates]
         loads = [v.estimated_load for v in views]
-        min_load = min(loads, default=0)
+        min_load = min(loads)
         hot_above = max(min_load + cfg.imbalance_abs, min_load * cfg.imbalance_rel)
-        scores = []
+        prefill, transfer_w, load_w = (
+            cfg.prefill_cost_per_block,
+            cfg.transfer_cost_per_block,
+            cfg.load_cost_per_request,
+        )
+        terms = []
         for view, load in zip(views, loads, strict=True):
             matched = view.matched_blocks(block_hashes, now, ttl)
             transfer = 0 if run_end is None else run_end[matched] - matched
             uncached = n - matched - transfer
-            cost = (
-                cfg.prefill_cost_per_block * uncached
-                + cfg.transfer_cost_per_block * transfer
-                + cfg.load_cost_per_request * load
+            cost = prefill * uncached + transfer_w * transfer + load_w * load
+            terms.append(
+                (view.replica_id, matched, transfer, uncached, load, cost, load > hot_above)
             )
-            scores.append(
-                CandidateScore(
-                    replica_id=view.replica_id,
-                    matched_blocks=matched,
-                    transfer_blocks=transfer,
-                    uncached_blocks=uncached,
-                    load=load,
-                    cost=cost,
-                    hot=load > hot_above,
-                )
-            )
-        return scores
-
-    def rank(
-        self,
-        candidates: Sequence[str],
-        block_hashes: Sequence[int],
-        now: float,
-        directory_hashes: Container[int] | None = None,
-    ) -> Ranks:
-        if not candidates:
-            return []
-        scores = self.score(candidates, block_hashes, now, directory_hashes)
-        if max(s.matched_blocks for s in scores) < self.config.min_match_blocks:
-            self._count("fallback")
-            return self._power_of_two(candidates)
-        keyed = [(s.hot, s.cost, self.rng.random(), s) for s in scores]
-        keyed.sort(key=lambda k: k[:3])
-        unguarded_best = min(keyed, key=lambda k: k[1:3])[3]
-        self._count("guarded" if unguarded_best is not keyed[0][3] else "prefix")
-        return [[k[3].replica_id] for k in keyed]
+        return terms
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {

@@ -95,14 +95,17 @@ class ReplicaView:
         first miss: block i is only reusable if blocks 0..i-1 are too."""
         cached = self.cached
         own = self.own
-        matched = 0
-        for h in block_hashes:
+        if not own:  # the common case between decisions: one set lookup per block
+            for i, h in enumerate(block_hashes):
+                if h not in cached:
+                    return i
+            return len(block_hashes)
+        for i, h in enumerate(block_hashes):
             if h not in cached:
                 entry = own.get(h)
                 if entry is None or (entry[0] <= 0 and now - entry[1] >= decision_ttl_s):
-                    break
-            matched += 1
-        return matched
+                    return i
+        return len(block_hashes)
 
     def set_load(self, load: int, at: float) -> None:
         self.reported_load = load

@@ -7,6 +7,8 @@ import random
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router import PrefixAwarePolicy, RouterConfig, make_policy
 from tests.router.support import prompt_hashes, random_tokens, report
@@ -240,3 +242,29 @@ def test_make_policy_names_and_errors() -> None:
         make_policy("least_loaded")
     policy = make_policy("prefix_aware", {"imbalance_abs": 3, "stats_period_s": 0.5})
     assert policy.config.imbalance_abs == 3
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 30), min_size=1, max_size=6),
+    held=st.lists(st.integers(0, 12), min_size=6, max_size=6),
+    n=st.integers(0, 12),
+    seed=st.integers(0, 3),
+)
+def test_rank_is_a_permutation_with_hot_replicas_last_and_costs_sorted(
+    loads: list[int], held: list[int], n: int, seed: int
+) -> None:
+    policy = prefix_policy(seed=seed, imbalance_abs=5, imbalance_rel=1.5)
+    names = [f"r{i}" for i in range(len(loads))]
+    for name, load, k in zip(names, loads, held, strict=False):
+        policy.apply_report(name, report(name, H[:k], at=1.0, running=load), now=1.0)
+    ranks = policy.rank(names, H[:n], now=1.0)
+    assert all(len(rank) == 1 for rank in ranks)
+    assert sorted(r[0] for r in ranks) == sorted(names)
+    if policy.counters.get("fallback"):
+        return
+    scores = {s.replica_id: s for s in policy.score(names, H[:n], now=1.0)}
+    ordered = [scores[r[0]] for r in ranks]
+    keys = [(s.hot, s.cost) for s in ordered]
+    assert keys == sorted(keys)
+    assert any(not s.hot for s in ordered)  # the least loaded replica is never hot

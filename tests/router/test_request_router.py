@@ -213,3 +213,21 @@ def test_other_policies_rank_every_replica(policy: str) -> None:
         assert router.policy.name == policy
 
     run(body)
+
+
+def test_replicas_believed_full_are_tried_last() -> None:
+    async def body() -> None:
+        # Weights under which the cache alone decides, so only fullness can demote "a".
+        router = make_router(load_cost_per_request=0.001, imbalance_abs=10_000)
+        now = time.time()
+        a = FakeReplica("a", report("a", H, at=now, running=3))
+        b = FakeReplica("b", report("b", [], at=now))
+        a.max_ongoing_requests = 4
+        router.update_replicas([a, b])
+        await settle()
+        request = pending(EngineRequest(block_hashes=H))
+        assert ids(await router.choose_replicas([a, b], request)) == [["a"], ["b"]]
+        router.on_request_routed(pending({"block_hashes": H}, "r2"), a.replica_id, None)
+        assert ids(await router.choose_replicas([a, b], request)) == [["b"], ["a"]]
+
+    run(body)
