@@ -45,7 +45,7 @@ def request_block_hashes(pending_request: PendingRequest | None) -> list[int]:
     if not args:
         return []
     hashes = _field(args[0], "block_hashes")
-    return list(hashes) if hashes else []
+    return [] if hashes is None else list(hashes)
 
 
 def request_directory_hashes(pending_request: PendingRequest | None) -> frozenset[int] | None:
