@@ -47,6 +47,10 @@ class RouterArgs(_Strict):
     min_match_blocks: int = Field(1, ge=0)
     imbalance_abs: int = Field(8, ge=0)
     imbalance_rel: float = Field(2.0, ge=1)
+    # Seconds a routing decision counts as cached on its replica after the request completes,
+    # unless a newer routing-stats report says otherwise.
+    decision_ttl_s: float = Field(30.0, gt=0)
+    # How often Serve polls each engine replica's record_routing_stats().
     stats_period_s: float = Field(1.0, gt=0)
 
 

@@ -1,0 +1,245 @@
+"""Ray Serve request routers for the Engine deployment's handle, backed by ``router/``'s policies.
+
+Serve runs a request router in the caller's process (the ingress), one per deployment handle.
+Each routing attempt calls ``choose_replicas`` with every running replica; we feed the replicas'
+routing stats to the policy and return its ranking, one replica per rank, best first. Serve then
+sends the request to the first rank whose replica is not full and reports back through
+``on_new_queue_len_info`` / ``on_request_routed`` / ``on_request_completed``, which keep the
+policy's load estimate and its own recent decisions current between stats reports.
+
+Serve pickles this module by value when the deployment is configured, so classes defined here are
+re-created in the ingress process and ``isinstance`` checks across modules cannot be trusted:
+requests, replicas and ids are read by attribute or key only.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from router import RouterConfig, RoutingPolicy, make_policy
+
+logger = logging.getLogger("ray.serve")
+
+# Log a failure at most this often: a persistent one would otherwise be logged per request.
+_ERROR_LOG_INTERVAL_S = 10.0
+
+
+def _field(obj: Any, name: str) -> Any:
+    """``obj.name`` or ``obj[name]`` (request objects may be dataclasses or plain dicts)."""
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def request_block_hashes(pending_request: PendingRequest | None) -> list[int]:
+    """The prompt's chained block hashes from the request's first argument (its
+    ``block_hashes`` attribute or key); empty when the request carries none."""
+    args = getattr(pending_request, "args", None)
+    if not args:
+        return []
+    hashes = _field(args[0], "block_hashes")
+    return [] if hashes is None else list(hashes)
+
+
+def request_directory_hashes(pending_request: PendingRequest | None) -> frozenset[int] | None:
+    """Optional: those of the prompt's block hashes that the shared KV directory holds, from the
+    first argument's ``directory_block_hashes`` attribute or key; None when not provided."""
+    args = getattr(pending_request, "args", None)
+    if not args:
+        return None
+    hashes = _field(args[0], "directory_block_hashes")
+    return None if hashes is None else frozenset(hashes)
+
+
+def replica_key(replica_id: ReplicaID | Any) -> str:
+    """The policy's name for a Serve replica: its ``unique_id`` within the deployment."""
+    unique_id = getattr(replica_id, "unique_id", None)
+    return str(unique_id) if unique_id is not None else str(replica_id)
+
+
+class PolicyRequestRouter(RequestRouter):
+    """A ``RequestRouter`` that delegates ranking to the ``router.RoutingPolicy`` named by
+    ``policy_name``; subclasses fix the name. ``initialize_state`` receives
+    ``RequestRouterConfig.request_router_kwargs``: the fields of ``router.RouterConfig``."""
+
+    policy_name = "prefix_aware"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._policy: RoutingPolicy = make_policy(self.policy_name)
+        # Serve's latest queue length per replica, re-applied once the accepted request that
+        # carried it is recorded (the figure already counts that request).
+        self._queue_len: dict[str, int] = {}
+        self._last_error_log = -float("inf")
+
+    @property
+    def policy(self) -> RoutingPolicy:
+        return self._policy
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._policy = make_policy(self.policy_name, RouterConfig.from_mapping(kwargs))
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        # Serve retries immediately, without sleeping, unless told to back off; when every
+        # ranked replica is full that is a busy loop.
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        if not candidate_replicas:
+            return []
+        try:
+            return self._rank(candidate_replicas, pending_request)
+        except Exception:
+            # Serve only logs an exception raised here and the request never completes.
+            self._log_error("routing policy failed; using a random order")
+            shuffled = list(candidate_replicas)
+            random.shuffle(shuffled)
+            return [shuffled]
+
+    def _rank(
+        self, candidates: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
+        now = time.time()
+        by_key: dict[str, RunningReplica] = {}
+        for replica in candidates:
+            key = replica_key(replica.replica_id)
+            by_key[key] = replica
+            self._ingest_stats(key, replica, now)
+        ranks = self._policy.rank(
+            list(by_key),
+            request_block_hashes(pending_request),
+            now,
+            request_directory_hashes(pending_request),
+        )
+        ranked = [[by_key[key] for key in rank] for rank in ranks if rank]
+        # Replicas believed full go last: Serve would probe each one before moving on.
+        full = [all(self._believed_full(r) for r in rank) for rank in ranked]
+        if any(full) and not all(full):
+            ranked = [rank for rank, f in zip(ranked, full, strict=True) if not f] + [
+                rank for rank, f in zip(ranked, full, strict=True) if f
+            ]
+        return ranked
+
+    def _believed_full(self, replica: RunningReplica) -> bool:
+        view = self._policy.view(replica_key(replica.replica_id))
+        limit = getattr(replica, "max_ongoing_requests", None)
+        return view is not None and limit is not None and view.estimated_load >= limit
+
+    def _ingest_stats(self, key: str, replica: RunningReplica, now: float) -> None:
+        stats = getattr(replica, "routing_stats", None)
+        if not stats:
+            return  # not polled yet, or the deployment reports nothing
+        try:
+            self._policy.apply_report(key, stats, now)
+        except ValueError:
+            self._log_error(f"ignoring malformed routing stats from replica {key}")
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        try:
+            self._sync(replicas)
+        except Exception:
+            self._log_error("could not update the routing policy's replica set")
+
+    def _sync(self, replicas: Iterable[RunningReplica]) -> None:
+        replicas = list(replicas)
+        keys = [replica_key(r.replica_id) for r in replicas]
+        self._policy.update_replicas(keys)
+        live = set(keys)
+        self._queue_len = {k: v for k, v in self._queue_len.items() if k in live}
+        now = time.time()
+        for key, replica in zip(keys, replicas, strict=True):
+            self._ingest_stats(key, replica, now)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        key = replica_key(replica_id)
+        self._policy.remove_replica(key)
+        self._queue_len.pop(key, None)
+
+    def on_new_queue_len_info(self, replica_id: ReplicaID, num_ongoing_requests: int) -> None:
+        super().on_new_queue_len_info(replica_id, num_ongoing_requests)
+        try:
+            key = replica_key(replica_id)
+            self._queue_len[key] = num_ongoing_requests
+            self._policy.observe_load(key, num_ongoing_requests, time.time())
+        except Exception:
+            self._log_error("could not record a queue length")
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        try:
+            key = replica_key(replica_id)
+            now = time.time()
+            request_id = pending_request.metadata.internal_request_id
+            self._policy.on_request_routed(
+                request_id, key, request_block_hashes(pending_request), now
+            )
+            queue_len = self._queue_len.pop(key, None)
+            if queue_len is not None:
+                self._policy.observe_load(key, queue_len, now)
+        except Exception:
+            self._log_error("could not record a routing decision")
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        try:
+            self._policy.on_request_completed(internal_request_id, time.time())
+        except Exception:
+            self._log_error("could not record a completed request")
+
+    def _log_error(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last_error_log >= _ERROR_LOG_INTERVAL_S:
+            self._last_error_log = now
+            logger.exception(message)
+
+
+class PrefixAwareRequestRouter(PolicyRequestRouter):
+    policy_name = "prefix_aware"
+
+
+class PowerOfTwoRequestRouter(PolicyRequestRouter):
+    policy_name = "power_of_two"
+
+
+class RoundRobinRequestRouter(PolicyRequestRouter):
+    policy_name = "round_robin"
+
+
+REQUEST_ROUTERS: dict[str, type[PolicyRequestRouter]] = {
+    cls.policy_name: cls
+    for cls in (PrefixAwareRequestRouter, PowerOfTwoRequestRouter, RoundRobinRequestRouter)
+}
+
+
+def request_router_config(
+    policy: str, router_args: Mapping[str, Any], stats_period_s: float = 1.0
+) -> RequestRouterConfig:
+    """The Engine deployment's ``RequestRouterConfig`` for ``policy`` (``prefix_aware``,
+    ``power_of_two`` or ``round_robin``). ``router_args`` holds ``router.RouterConfig`` fields
+    (e.g. ``AppArgs.router.model_dump()``; its ``stats_period_s`` is ignored in favour of the
+    argument); they are validated here and reach the router as ``request_router_kwargs``.
+    ``stats_period_s`` is how often Serve polls each replica's ``record_routing_stats()``."""
+    try:
+        cls = REQUEST_ROUTERS[policy]
+    except KeyError:
+        raise ValueError(
+            f"unknown routing policy {policy!r}; expected one of {', '.join(sorted(REQUEST_ROUTERS))}"
+        ) from None
+    config = RouterConfig.from_mapping(router_args)
+    return RequestRouterConfig(
+        request_router_class=cls,
+        request_router_kwargs=config.to_dict(),
+        request_routing_stats_period_s=stats_period_s,
+    )

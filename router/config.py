@@ -1,0 +1,85 @@
+"""Weights and thresholds of the routing cost model: one frozen dataclass, validated once.
+
+Costs are in *block-prefill units*: 1.0 is the time a replica needs to prefill one KV block of
+``block_size`` tokens. Every weight below is expressed in that unit, so only their ratios matter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Keys of the application's ``router`` args that configure the Serve adapter, not the policy.
+ADAPTER_KEYS = frozenset({"stats_period_s"})
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Weights and thresholds of the prefix-aware cost; the other policies read only what they need.
+
+    The cost of sending a request to replica ``r`` is::
+
+        prefill_cost_per_block  * (blocks neither cached on r nor fetchable from the KV directory)
+      + transfer_cost_per_block * (blocks not cached on r but published to the KV directory)
+      + load_cost_per_request   * (estimated requests running or waiting on r)
+    """
+
+    # Cost of computing one uncached prompt block on the chosen replica (block-prefill units).
+    # Raising it makes cache hits worth more relative to load: stickier routing.
+    prefill_cost_per_block: float = 1.0
+    # Cost of each request already running or waiting on a replica (block-prefill units per
+    # request): how long one request ahead of us delays ours. Raising it spreads load sooner.
+    load_cost_per_request: float = 4.0
+    # Cost of importing one block that another replica published to the shared KV directory
+    # instead of recomputing it (block-prefill units). Only used when the caller says which hashes
+    # the directory holds. Below prefill_cost_per_block, a directory hit counts as a cheap miss.
+    transfer_cost_per_block: float = 0.25
+    # Fewest leading blocks some replica must hold for the request before the prefix cost is used;
+    # with a shorter best match the request goes to the better of two random replicas.
+    min_match_blocks: int = 1
+    # Imbalance guard: a replica is "hot" when its load exceeds the least-loaded candidate's by more
+    # than imbalance_abs requests AND is more than imbalance_rel times it. Hot replicas are ranked
+    # after every other one, whatever their cache holds.
+    imbalance_abs: int = 8
+    imbalance_rel: float = 2.0
+    # How long (seconds) this router's own routing decisions count as cached blocks on the chosen
+    # replica after the request completes, when no newer report confirms or refutes them. While the
+    # request is in flight its blocks stay pinned on the replica, so they count regardless.
+    decision_ttl_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_cost_per_block", "load_cost_per_request", "transfer_cost_per_block"):
+            _check_float(name, getattr(self, name), minimum=0.0)
+        for name in ("min_match_blocks", "imbalance_abs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
+        _check_float("imbalance_rel", self.imbalance_rel, minimum=1.0)
+        _check_float("decision_ttl_s", self.decision_ttl_s, minimum=0.0, exclusive=True)
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> RouterConfig:
+        """Build from a mapping such as ``RouterArgs.model_dump()``.
+
+        Keys that configure the Serve adapter (``ADAPTER_KEYS``) are ignored; any other unknown key
+        is an error naming it, since a misspelt weight would otherwise fall back to its default.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known - ADAPTER_KEYS)
+        if unknown:
+            raise ValueError(f"unknown router option(s): {', '.join(unknown)}")
+        return cls(**{k: v for k, v in options.items() if k in known})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_float(name: str, value: object, *, minimum: float, exclusive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name}: must be a finite number, got {value!r}")
+    if value < minimum or (exclusive and value == minimum):
+        bound = ">" if exclusive else ">="
+        raise ValueError(f"{name}: must be {bound} {minimum}, got {value!r}")

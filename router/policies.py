@@ -1,0 +1,266 @@
+"""Routing policies behind one interface: feed them reports and decisions, ask them for a ranking.
+
+A policy never reads a clock, never awaits and draws random numbers only from its own
+``random.Random``, so a simulator that passes ``now`` and a seeded generator replays exactly.
+``rank`` returns ranks as Ray Serve's ``RequestRouter.choose_replicas`` does: a list of lists of
+replica ids, best first. These policies return every candidate, one per rank, so a caller that
+finds its first choice full moves on to the next without asking again.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Container, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from router.config import RouterConfig
+from router.state import ClusterState, ReplicaView
+
+Ranks = list[list[str]]
+
+
+class RoutingPolicy(ABC):
+    """State hooks shared by every policy, plus the abstract ``rank``.
+
+    ``counters`` counts ranking outcomes by kind (policy specific) for metrics and simulations.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, config: RouterConfig | None = None, *, rng: random.Random | None = None):
+        self.config = config if config is not None else RouterConfig()
+        self.rng = rng if rng is not None else random.Random()
+        self.state = ClusterState(self.config.decision_ttl_s)
+        self.counters: dict[str, int] = {}
+
+    # -- state hooks ------------------------------------------------------------------------
+
+    def update_replicas(self, replica_ids: Iterable[str]) -> None:
+        """The replica set changed: forget every replica not in ``replica_ids``."""
+        self.state.sync_replicas(replica_ids)
+
+    def remove_replica(self, replica_id: str) -> None:
+        """Forget a replica (it died or was removed) and this router's requests on it."""
+        self.state.remove_replica(replica_id)
+
+    def apply_report(self, replica_id: str, report: Mapping[str, Any], now: float) -> bool:
+        """Feed a routing-stats dict (see ``router.report``); True if it changed the view."""
+        return self.state.apply_report(replica_id, report, now)
+
+    def observe_load(self, replica_id: str, num_requests: int, now: float) -> None:
+        """Feed a fresher load figure: requests on the replica at ``now``, counting every request
+        routed to it up to ``now`` (e.g. Serve's queue length from an accepted request)."""
+        self.state.observe_load(replica_id, num_requests, now)
+
+    def on_request_routed(
+        self, request_id: str, replica_id: str, block_hashes: Sequence[int], now: float
+    ) -> None:
+        """This router sent ``request_id`` to ``replica_id``: count its load and treat its prompt
+        blocks as cached there (see ``ReplicaView`` for how long)."""
+        self.state.on_request_routed(request_id, replica_id, block_hashes, now)
+
+    def on_request_completed(self, request_id: str, now: float) -> None:
+        """``request_id`` finished, failed or was cancelled. Unknown ids are ignored."""
+        self.state.on_request_completed(request_id, now)
+
+    def view(self, replica_id: str) -> ReplicaView | None:
+        return self.state.views.get(replica_id)
+
+    # -- ranking ----------------------------------------------------------------------------
+
+    @abstractmethod
+    def rank(
+        self,
+        candidates: Sequence[str],
+        block_hashes: Sequence[int],
+        now: float,
+        directory_hashes: Container[int] | None = None,
+    ) -> Ranks:
+        """Rank ``candidates`` for a request whose prompt has chained block hashes
+        ``block_hashes`` (may be empty: no prefix information). ``directory_hashes``, if given,
+        holds (at least) those of the request's hashes the shared KV directory can supply."""
+
+    def _count(self, kind: str) -> None:
+        self.counters[kind] = self.counters.get(kind, 0) + 1
+
+    def _power_of_two(self, candidates: Sequence[str]) -> Ranks:
+        """Two distinct random candidates, the less loaded first, then the rest by load."""
+        views = [self.state.view(r) for r in candidates]
+        if len(views) <= 1:
+            return [[v.replica_id] for v in views]
+        i, j = self.rng.sample(range(len(views)), 2)
+        first, second = views[i], views[j]
+        if second.estimated_load < first.estimated_load:
+            first, second = second, first
+        rest = [v for k, v in enumerate(views) if k != i and k != j]
+        rest.sort(key=lambda v: v.estimated_load)
+        return [[first.replica_id], [second.replica_id]] + [[v.replica_id] for v in rest]
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Cycles through the candidates (sorted by id, so the order does not depend on the caller)."""
+
+    name = "round_robin"
+
+    def __init__(self, config: RouterConfig | None = None, *, rng: random.Random | None = None):
+        super().__init__(config, rng=rng)
+        self._next = self.rng.randrange(1 << 30)
+
+    def rank(
+        self,
+        candidates: Sequence[str],
+        block_hashes: Sequence[int],
+        now: float,
+        directory_hashes: Container[int] | None = None,
+    ) -> Ranks:
+        ordered = sorted(candidates)
+        if not ordered:
+            return []
+        start = self._next % len(ordered)
+        self._next += 1
+        self._count("round_robin")
+        return [[r] for r in ordered[start:] + ordered[:start]]
+
+
+class PowerOfTwoPolicy(RoutingPolicy):
+    """Power of two choices on this router's load estimate; ignores prefixes."""
+
+    name = "power_of_two"
+
+    def rank(
+        self,
+        candidates: Sequence[str],
+        block_hashes: Sequence[int],
+        now: float,
+        directory_hashes: Container[int] | None = None,
+    ) -> Ranks:
+        self._count("power_of_two")
+        return self._power_of_two(candidates)
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateScore:
+    """How the prefix-aware cost came out for one candidate (all counts in blocks / requests)."""
+
+    replica_id: str
+    matched_blocks: int  # leading blocks cached on the replica (reports + own decisions)
+    transfer_blocks: int  # following blocks the KV directory can supply
+    uncached_blocks: int  # the rest, to be prefilled
+    load: int  # estimated requests running or waiting
+    cost: float
+    hot: bool  # load tripped the imbalance guard
+
+
+class PrefixAwarePolicy(RoutingPolicy):
+    """Least cost first, where cost = prefill work the replica's cache does not cover + load.
+
+    * If no candidate holds at least ``min_match_blocks`` leading blocks of the request, there is
+      no affinity to exploit: power of two choices on load (counted as ``fallback``). With
+      ``min_match_blocks=0`` this never happens and a request without matches goes to the least
+      loaded candidate (join the shortest queue).
+    * Otherwise candidates are ranked by ``CandidateScore.cost``; ties are broken at random.
+    * Imbalance guard: candidates whose load exceeds the least-loaded candidate's by more than
+      ``imbalance_abs`` and by a factor above ``imbalance_rel`` are ranked after all others, so a
+      hot prefix cannot pile onto its holder while other replicas idle (counted as ``guarded``
+      when it changed the first choice; otherwise ``prefix``).
+    """
+
+    name = "prefix_aware"
+
+    def score(
+        self,
+        candidates: Sequence[str],
+        block_hashes: Sequence[int],
+        now: float,
+        directory_hashes: Container[int] | None = None,
+    ) -> list[CandidateScore]:
+        """The cost terms of every candidate, in candidate order."""
+        return [
+            CandidateScore(*terms)
+            for terms in self._cost_terms(candidates, block_hashes, now, directory_hashes)
+        ]
+
+    def rank(
+        self,
+        candidates: Sequence[str],
+        block_hashes: Sequence[int],
+        now: float,
+        directory_hashes: Container[int] | None = None,
+    ) -> Ranks:
+        if not candidates:
+            return []
+        terms = self._cost_terms(candidates, block_hashes, now, directory_hashes)
+        if max(t[1] for t in terms) < self.config.min_match_blocks:
+            self._count("fallback")
+            return self._power_of_two(candidates)
+        rand = self.rng.random
+        # (hot, cost, tie-break): the guard first, then the cost, ties at random.
+        keyed = [(t[6], t[5], rand(), t[0]) for t in terms]
+        keyed.sort()
+        unguarded_best = min(keyed, key=lambda k: k[1:3])
+        self._count("guarded" if unguarded_best is not keyed[0] else "prefix")
+        return [[k[3]] for k in keyed]
+
+    def _cost_terms(
+        self,
+        candidates: Sequence[str],
+        block_hashes: Sequence[int],
+        now: float,
+        directory_hashes: Container[int] | None,
+    ) -> list[tuple[str, int, int, int, int, float, bool]]:
+        """``CandidateScore`` fields per candidate, as tuples (the hot path builds no objects)."""
+        cfg = self.config
+        ttl = cfg.decision_ttl_s
+        n = len(block_hashes)
+        # run_end[i]: first index >= i whose block the directory cannot supply (prefix semantics:
+        # a replica imports the run of published blocks that directly follows its own match).
+        run_end: list[int] | None = None
+        if directory_hashes is not None and n:
+            run_end = [n] * (n + 1)
+            for i in range(n - 1, -1, -1):
+                run_end[i] = run_end[i + 1] if block_hashes[i] in directory_hashes else i
+        views = [self.state.view(r) for r in candidates]
+        loads = [v.estimated_load for v in views]
+        min_load = min(loads)
+        hot_above = max(min_load + cfg.imbalance_abs, min_load * cfg.imbalance_rel)
+        prefill, transfer_w, load_w = (
+            cfg.prefill_cost_per_block,
+            cfg.transfer_cost_per_block,
+            cfg.load_cost_per_request,
+        )
+        terms = []
+        for view, load in zip(views, loads, strict=True):
+            matched = view.matched_blocks(block_hashes, now, ttl)
+            transfer = 0 if run_end is None else run_end[matched] - matched
+            uncached = n - matched - transfer
+            cost = prefill * uncached + transfer_w * transfer + load_w * load
+            terms.append(
+                (view.replica_id, matched, transfer, uncached, load, cost, load > hot_above)
+            )
+        return terms
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    p.name: p for p in (PrefixAwarePolicy, PowerOfTwoPolicy, RoundRobinPolicy)
+}
+
+
+def make_policy(
+    name: str,
+    config: RouterConfig | Mapping[str, Any] | None = None,
+    *,
+    rng: random.Random | None = None,
+) -> RoutingPolicy:
+    """A policy by name (``prefix_aware``, ``power_of_two``, ``round_robin``). ``config`` may be a
+    ``RouterConfig`` or a mapping of its fields (e.g. ``RouterArgs.model_dump()``)."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown routing policy {name!r}; expected one of {', '.join(sorted(POLICIES))}"
+        ) from None
+    if config is not None and not isinstance(config, RouterConfig):
+        config = RouterConfig.from_mapping(config)
+    return cls(config, rng=rng)

@@ -1,0 +1,74 @@
+"""The routing-stats report an engine replica publishes (``record_routing_stats()``), validated.
+
+Contract (a plain dict, so that it crosses process and pickling boundaries unchanged)::
+
+    {"replica_id": str, "started_at": float, "block_size": int,
+     "num_running": int, "num_waiting": int, "kv_free_blocks": int, "kv_total_blocks": int,
+     "cached_block_hashes": list[int],   # every hash in the replica's prefix cache (full snapshot)
+     "reported_at": float}               # time.time() when the snapshot was taken
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+_INT_FIELDS = ("block_size", "num_running", "num_waiting", "kv_free_blocks", "kv_total_blocks")
+_FLOAT_FIELDS = ("started_at", "reported_at")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaReport:
+    """One snapshot of a replica. ``cached_block_hashes`` is the replica's whole prefix cache at
+    ``reported_at``: a hash absent from it is not cached there (it was evicted or never held)."""
+
+    replica_id: str
+    started_at: float
+    block_size: int
+    num_running: int
+    num_waiting: int
+    kv_free_blocks: int
+    kv_total_blocks: int
+    cached_block_hashes: frozenset[int]
+    reported_at: float
+
+    @property
+    def load(self) -> int:
+        return self.num_running + self.num_waiting
+
+    @classmethod
+    def from_dict(cls, stats: Mapping[str, Any]) -> ReplicaReport:
+        """Validate a stats dict; raises ValueError naming the first bad or missing key."""
+        missing = [
+            k
+            for k in ("replica_id", "cached_block_hashes", *_INT_FIELDS, *_FLOAT_FIELDS)
+            if k not in stats
+        ]
+        if missing:
+            raise ValueError(f"routing stats: missing key(s) {', '.join(missing)}")
+        for key in _INT_FIELDS:
+            value = stats[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"routing stats: {key} must be a non-negative int, got {value!r}")
+        for key in _FLOAT_FIELDS:
+            value = stats[key]
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"routing stats: {key} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"routing stats: {key} must be finite, got {value!r}")
+        hashes = stats["cached_block_hashes"]
+        if isinstance(hashes, str | bytes) or not hasattr(hashes, "__iter__"):
+            raise ValueError("routing stats: cached_block_hashes must be a list of ints")
+        return cls(
+            replica_id=str(stats["replica_id"]),
+            started_at=float(stats["started_at"]),
+            block_size=stats["block_size"],
+            num_running=stats["num_running"],
+            num_waiting=stats["num_waiting"],
+            kv_free_blocks=stats["kv_free_blocks"],
+            kv_total_blocks=stats["kv_total_blocks"],
+            cached_block_hashes=frozenset(hashes),
+            reported_at=float(stats["reported_at"]),
+        )

@@ -1,0 +1,270 @@
+"""Routing decisions of the policies, driven the way a simulator drives them: explicit clock,
+seeded generator, reports as plain dicts."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router import PrefixAwarePolicy, RouterConfig, make_policy
+from tests.router.support import prompt_hashes, random_tokens, report
+
+H = list(range(1000, 1040))  # 40 chained-looking block hashes of one long prompt
+
+
+def prefix_policy(seed: int = 0, **options: object) -> PrefixAwarePolicy:
+    policy = make_policy("prefix_aware", RouterConfig(**options), rng=random.Random(seed))
+    assert isinstance(policy, PrefixAwarePolicy)
+    return policy
+
+
+def first(ranks: list[list[str]]) -> str:
+    return ranks[0][0]
+
+
+def test_ranks_cover_every_candidate_once_best_first() -> None:
+    policy = prefix_policy()
+    policy.apply_report("a", report("a", H[:10], at=1.0), now=1.0)
+    ranks = policy.rank(["a", "b", "c"], H[:20], now=1.5)
+    assert all(len(rank) == 1 for rank in ranks)
+    assert sorted(r[0] for r in ranks) == ["a", "b", "c"]
+    assert first(ranks) == "a"
+
+
+def test_affinity_same_system_prompt_goes_to_the_same_replica() -> None:
+    rng = random.Random(1)
+    system = random_tokens(rng, 40 * 16)  # a 640-token shared system prompt
+    policy = prefix_policy(seed=1)
+    replicas = ["r0", "r1", "r2", "r3"]
+    chosen = []
+    for i in range(20):
+        hashes = prompt_hashes(system + random_tokens(rng, 48))
+        replica = first(policy.rank(replicas, hashes, now=float(i)))
+        policy.on_request_routed(f"q{i}", replica, hashes, now=float(i))
+        policy.on_request_completed(f"q{i}", now=i + 0.5)  # light load: affinity must win
+        chosen.append(replica)
+    assert len(set(chosen)) == 1
+    assert policy.counters == {"fallback": 1, "prefix": 19}
+
+
+def test_prefix_semantics_stop_at_the_first_missing_block() -> None:
+    policy = prefix_policy()
+    # "a" holds blocks 1..39 but not block 0: none of them is reusable.
+    policy.apply_report("a", report("a", H[1:], at=1.0), now=1.0)
+    policy.apply_report("b", report("b", H[:3], at=1.0), now=1.0)
+    scores = {s.replica_id: s for s in policy.score(["a", "b"], H, now=1.0)}
+    assert scores["a"].matched_blocks == 0
+    assert scores["b"].matched_blocks == 3
+    assert first(policy.rank(["a", "b"], H, now=1.0)) == "b"
+
+
+def test_spill_over_when_waiting_costs_more_than_recomputing() -> None:
+    # Guard off: the cost alone must move the request. 6 cached blocks save 6 units of prefill;
+    # each queued request costs 4, so 1 request on the holder keeps it, 2 push the request away.
+    policy = prefix_policy(imbalance_abs=1000)
+    hashes = H[:6]
+    policy.apply_report("a", report("a", hashes, at=1.0, running=1), now=1.0)
+    policy.apply_report("b", report("b", [], at=1.0), now=1.0)
+    assert first(policy.rank(["a", "b"], hashes, now=1.0)) == "a"
+    policy.apply_report("a", report("a", hashes, at=2.0, running=1, waiting=1), now=2.0)
+    assert first(policy.rank(["a", "b"], hashes, now=2.0)) == "b"
+
+
+def test_spill_over_counts_requests_routed_since_the_last_report() -> None:
+    policy = prefix_policy(imbalance_abs=1000)
+    hashes = H[:10]
+    policy.apply_report("a", report("a", hashes, at=1.0), now=1.0)
+    policy.apply_report("b", report("b", [], at=1.0), now=1.0)
+    destinations = []
+    for i in range(6):
+        replica = first(policy.rank(["a", "b"], hashes, now=2.0 + i))
+        policy.on_request_routed(f"q{i}", replica, hashes, now=2.0 + i)
+        destinations.append(replica)
+    # The holder absorbs requests until 3 are queued there (12 > 10 blocks of prefill), then
+    # the other replica gets one, which makes it a holder too.
+    assert destinations[:3] == ["a", "a", "a"]
+    assert "b" in destinations[3:]
+
+
+def test_imbalance_guard_overrides_a_long_cached_prefix() -> None:
+    policy = prefix_policy(imbalance_abs=8, imbalance_rel=2.0)
+    policy.apply_report("a", report("a", H, at=1.0, running=9), now=1.0)
+    policy.apply_report("b", report("b", [], at=1.0), now=1.0)
+    # By cost "a" wins by far (40 blocks saved vs 36 for 9 requests)...
+    scores = {s.replica_id: s for s in policy.score(["a", "b"], H, now=1.0)}
+    assert scores["a"].cost < scores["b"].cost
+    # ...but 9 > 0 + 8 and 9 > 2 * 0: "a" is hot and goes last.
+    assert scores["a"].hot and not scores["b"].hot
+    assert policy.rank(["a", "b"], H, now=1.0) == [["b"], ["a"]]
+    assert policy.counters["guarded"] == 1
+
+
+def test_imbalance_guard_needs_both_absolute_and_relative_excess() -> None:
+    policy = prefix_policy(imbalance_abs=8, imbalance_rel=2.0)
+    policy.apply_report("b", report("b", [], at=1.0, running=10), now=1.0)
+    # 19 exceeds 10 + 8 but not 2 * 10: not hot, the cache wins.
+    policy.apply_report("a", report("a", H, at=1.0, running=19), now=1.0)
+    assert first(policy.rank(["a", "b"], H, now=1.0)) == "a"
+    # 21 exceeds both.
+    policy.apply_report("a", report("a", H, at=2.0, running=21), now=2.0)
+    assert first(policy.rank(["a", "b"], H, now=2.0)) == "b"
+
+
+def test_hot_prefix_is_spread_by_the_guard_not_piled_onto_one_replica() -> None:
+    # A load weight so low that the cost alone would send all 60 requests to the first holder.
+    policy = prefix_policy(seed=3, load_cost_per_request=0.1, imbalance_abs=4, imbalance_rel=1.5)
+    replicas = ["r0", "r1", "r2"]
+    counts: Counter[str] = Counter()
+    for i in range(60):  # nothing completes: the load only grows
+        replica = first(policy.rank(replicas, H, now=float(i)))
+        policy.on_request_routed(f"q{i}", replica, H, now=float(i))
+        counts[replica] += 1
+    loads = [policy.view(r).estimated_load for r in replicas]  # type: ignore[union-attr]
+    assert sum(loads) == 60
+    # A replica stops receiving once it leads the least loaded one by more than imbalance_abs.
+    assert max(loads) - min(loads) <= 4 + 1
+    assert policy.counters["guarded"] > 0
+
+
+def test_fallback_spreads_random_prompts_between_two_replicas() -> None:
+    rng = random.Random(7)
+    policy = prefix_policy(seed=7)
+    counts: Counter[str] = Counter()
+    in_flight: list[str] = []
+    for i in range(1000):
+        hashes = prompt_hashes(random_tokens(rng, rng.randrange(16, 400)))
+        replica = first(policy.rank(["a", "b"], hashes, now=float(i)))
+        policy.on_request_routed(f"q{i}", replica, hashes, now=float(i))
+        counts[replica] += 1
+        in_flight.append(f"q{i}")
+        if len(in_flight) > 8:  # about 8 requests in flight at any time
+            policy.on_request_completed(in_flight.pop(rng.randrange(len(in_flight))), float(i))
+    assert max(counts.values()) / 1000 <= 0.65
+    assert policy.counters == {"fallback": 1000}
+
+
+def test_power_of_two_without_prefix_information() -> None:
+    policy = prefix_policy()
+    policy.apply_report("a", report("a", H, at=1.0, running=5), now=1.0)
+    policy.apply_report("b", report("b", [], at=1.0), now=1.0)
+    # No block hashes (e.g. a prompt shorter than one block): the less loaded of two wins.
+    assert policy.rank(["a", "b"], [], now=1.0) == [["b"], ["a"]]
+    assert policy.counters == {"fallback": 1}
+
+
+def test_min_match_blocks_threshold() -> None:
+    policy = prefix_policy(min_match_blocks=4)
+    policy.apply_report("a", report("a", H[:3], at=1.0, running=1), now=1.0)
+    policy.apply_report("b", report("b", [], at=1.0), now=1.0)
+    policy.rank(["a", "b"], H, now=1.0)
+    assert policy.counters == {"fallback": 1}
+    policy.apply_report("a", report("a", H[:4], at=2.0, running=1), now=2.0)
+    assert first(policy.rank(["a", "b"], H, now=2.0)) == "a"
+    assert policy.counters == {"fallback": 1, "prefix": 1}
+
+
+def test_min_match_zero_joins_the_shortest_queue() -> None:
+    policy = prefix_policy(min_match_blocks=0)
+    for name, running in (("a", 3), ("b", 1), ("c", 2)):
+        policy.apply_report(name, report(name, [], at=1.0, running=running), now=1.0)
+    assert policy.rank(["a", "b", "c"], H, now=1.0) == [["b"], ["c"], ["a"]]
+
+
+def test_directory_blocks_cost_a_transfer_instead_of_a_prefill() -> None:
+    policy = prefix_policy(imbalance_abs=1000)
+    hashes = H[:20]
+    policy.apply_report("a", report("a", hashes[:10], at=1.0, running=2), now=1.0)
+    policy.apply_report("b", report("b", [], at=1.0), now=1.0)
+    # Without the directory: a = 10 prefill + 2 * 4 load = 18 < b = 20 prefill.
+    assert first(policy.rank(["a", "b"], hashes, now=1.0)) == "a"
+    # All 20 blocks published: a = 10 * 0.25 + 8 = 10.5 > b = 20 * 0.25 = 5.
+    directory = set(hashes)
+    scores = {s.replica_id: s for s in policy.score(["a", "b"], hashes, 1.0, directory)}
+    assert (scores["a"].matched_blocks, scores["a"].transfer_blocks) == (10, 10)
+    assert (scores["b"].transfer_blocks, scores["b"].uncached_blocks) == (20, 0)
+    assert scores["a"].cost == pytest.approx(10.5)
+    assert scores["b"].cost == pytest.approx(5.0)
+    assert first(policy.rank(["a", "b"], hashes, 1.0, directory)) == "b"
+
+
+def test_directory_transfer_stops_at_a_gap() -> None:
+    policy = prefix_policy()
+    policy.apply_report("a", report("a", H[:2], at=1.0), now=1.0)
+    directory = set(H[:5]) | set(H[6:10])  # block 5 is missing
+    (score,) = policy.score(["a"], H[:10], 1.0, directory)
+    assert (score.matched_blocks, score.transfer_blocks, score.uncached_blocks) == (2, 3, 5)
+
+
+def test_round_robin_cycles_in_id_order() -> None:
+    policy = make_policy("round_robin", rng=random.Random(0))
+    firsts = [first(policy.rank(["c", "a", "b"], H, now=0.0)) for _ in range(6)]
+    assert sorted(firsts[:3]) == ["a", "b", "c"]
+    assert firsts[3:] == firsts[:3]
+    assert len(policy.rank(["c", "a", "b"], H, now=0.0)) == 3
+    assert policy.rank([], H, now=0.0) == []
+
+
+def test_power_of_two_prefers_the_less_loaded_of_its_sample() -> None:
+    policy = make_policy("power_of_two", rng=random.Random(0))
+    policy.apply_report("a", report("a", H, at=1.0, running=7), now=1.0)
+    policy.apply_report("b", report("b", [], at=1.0, running=1), now=1.0)
+    # With two candidates the sample is both: the less loaded one first, cache ignored.
+    for _ in range(5):
+        assert policy.rank(["a", "b"], H, now=1.0) == [["b"], ["a"]]
+    assert policy.rank(["a"], H, now=1.0) == [["a"]]
+    assert policy.rank([], H, now=1.0) == []
+
+
+def test_same_seed_same_decisions() -> None:
+    def run(seed: int) -> list[str]:
+        rng = random.Random(99)
+        policy = prefix_policy(seed=seed)
+        out = []
+        for i in range(200):
+            hashes = prompt_hashes(random_tokens(rng, 64))[: rng.randrange(0, 5)]
+            replica = first(policy.rank(["a", "b", "c", "d"], hashes, now=float(i)))
+            policy.on_request_routed(f"q{i}", replica, hashes, now=float(i))
+            out.append(replica)
+        return out
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_make_policy_names_and_errors() -> None:
+    for name in ("prefix_aware", "power_of_two", "round_robin"):
+        assert make_policy(name).name == name
+    with pytest.raises(ValueError, match="unknown routing policy 'least_loaded'"):
+        make_policy("least_loaded")
+    policy = make_policy("prefix_aware", {"imbalance_abs": 3, "stats_period_s": 0.5})
+    assert policy.config.imbalance_abs == 3
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 30), min_size=1, max_size=6),
+    held=st.lists(st.integers(0, 12), min_size=6, max_size=6),
+    n=st.integers(0, 12),
+    seed=st.integers(0, 3),
+)
+def test_rank_is_a_permutation_with_hot_replicas_last_and_costs_sorted(
+    loads: list[int], held: list[int], n: int, seed: int
+) -> None:
+    policy = prefix_policy(seed=seed, imbalance_abs=5, imbalance_rel=1.5)
+    names = [f"r{i}" for i in range(len(loads))]
+    for name, load, k in zip(names, loads, held, strict=False):
+        policy.apply_report(name, report(name, H[:k], at=1.0, running=load), now=1.0)
+    ranks = policy.rank(names, H[:n], now=1.0)
+    assert all(len(rank) == 1 for rank in ranks)
+    assert sorted(r[0] for r in ranks) == sorted(names)
+    if policy.counters.get("fallback"):
+        return
+    scores = {s.replica_id: s for s in policy.score(names, H[:n], now=1.0)}
+    ordered = [scores[r[0]] for r in ranks]
+    keys = [(s.hot, s.cost) for s in ordered]
+    assert keys == sorted(keys)
+    assert any(not s.hot for s in ordered)  # the least loaded replica is never hot
