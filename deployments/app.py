@@ -13,6 +13,7 @@ from deployments.engine_replica import KV_DIRECTORY_ACTOR, REGISTRY_ACTOR, Engin
 from deployments.ingress import Ingress
 from deployments.kv_directory import KVDirectory
 from deployments.registry import ReplicaRegistry
+from deployments.request_router import request_router_config
 
 
 def engine_deployment(args: AppArgs) -> Any:
@@ -33,7 +34,13 @@ def engine_deployment(args: AppArgs) -> Any:
                 actor_options={"num_cpus": 0},
             )
         )
-    options: dict[str, Any] = {"name": "Engine", "deployment_actors": actors}
+    options: dict[str, Any] = {
+        "name": "Engine",
+        "deployment_actors": actors,
+        "request_router_config": request_router_config(
+            args.routing_policy, args.router.model_dump(), args.router.stats_period_s
+        ),
+    }
     return serve.deployment(EngineReplica).options(**options)
 
 

@@ -82,8 +82,14 @@ def test_second_replica_imports_prefix(serve_instance, tiny_llama_with_tokenizer
         cached = warm.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached >= 512
         assert warm.json()["choices"][0]["text"] == cold.json()["choices"][0]["text"]
-        after = total(metrics(serve_instance), "prefixserve_prefix_cache_hit_tokens_total",
-                      source="remote")
+        # Replicas report metrics about once a second.
+        deadline = time.monotonic() + 10
+        while True:
+            after = total(metrics(serve_instance), "prefixserve_prefix_cache_hit_tokens_total",
+                          source="remote")
+            if after - before >= cached or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert after - before == cached
     finally:
         undeploy(APP)
