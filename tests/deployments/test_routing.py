@@ -1,0 +1,99 @@
+"""Prefix-aware routing across two engine replicas, end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.deployments.conftest import deploy, undeploy
+
+pytestmark = pytest.mark.ray
+
+APP = "routing"
+BLOCK = 16
+
+
+async def _run(base_url: str, prompts: list[list[int]], concurrency: int) -> list[dict]:
+    """Send the prompts in order with at most ``concurrency`` in flight."""
+    sem = asyncio.Semaphore(concurrency)
+    results: list[dict] = [{}] * len(prompts)
+
+    async def one(i: int, client: httpx.AsyncClient) -> None:
+        async with sem:
+            body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 4, "temperature": 0,
+                    "ignore_eos": True}
+            r = await client.post(f"{base_url}/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            results[i] = {
+                "replica": r.headers["x-engine-replica"],
+                "prompt_tokens": usage["prompt_tokens"],
+                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+            }
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        tasks = []
+        for i in range(len(prompts)):
+            tasks.append(asyncio.create_task(one(i, client)))
+            await asyncio.sleep(0.05)  # keep the arrival order
+        await asyncio.gather(*tasks)
+    return results
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_instance: str, tiny_llama_with_tokenizer: Path):
+    deploy(
+        serve_instance,
+        {
+            "model": str(tiny_llama_with_tokenizer),
+            "served_model_name": "tiny",
+            "engine": {"dtype": "float32", "num_kv_blocks": 1024, "max_num_seqs": 16},
+            "routing_policy": "prefix_aware",
+            # Routing alone must find the cached prefixes: no imports from the other replica.
+            "kv_sharing": {"enabled": False},
+        },
+        name=APP,
+    )
+    yield serve_instance
+    undeploy(APP)
+
+
+def test_shared_prefixes_follow_their_cache(base_url: str) -> None:
+    rng = random.Random(11)
+    groups, per_group, prefix_len, question_len = 6, 5, 520, 24
+    prefixes = [[rng.randrange(100, 40000) for _ in range(prefix_len)] for _ in range(groups)]
+    # Interleaved arrivals: g0, g1, ..., g5, g0, g1, ...
+    prompts = [
+        prefixes[g] + [rng.randrange(100, 40000) for _ in range(question_len)]
+        for _ in range(per_group)
+        for g in range(groups)
+    ]
+    results = asyncio.run(_run(base_url, prompts, concurrency=2))
+
+    prompt_tokens = sum(r["prompt_tokens"] for r in results)
+    cached = sum(r["cached_tokens"] for r in results)
+    # Best achievable: every request but the first of its group hits the prefix's full blocks.
+    best = (prefix_len // BLOCK * BLOCK) * (per_group - 1) * groups
+    assert cached >= 0.8 * best, (cached, best, prompt_tokens)
+
+    # Each group stayed together, and the groups did not all pile onto one replica.
+    by_group = collections.defaultdict(set)
+    for i, r in enumerate(results):
+        by_group[i % groups].add(r["replica"])
+    homes = collections.Counter(next(iter(s)) for s in by_group.values() if len(s) == 1)
+    assert sum(homes.values()) >= groups - 1
+    assert len({r["replica"] for r in results}) == 2
+
+
+def test_unrelated_prompts_spread(base_url: str) -> None:
+    rng = random.Random(12)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(40, 120))] for _ in range(40)]
+    results = asyncio.run(_run(base_url, prompts, concurrency=4))
+    counts = collections.Counter(r["replica"] for r in results)
+    assert len(counts) == 2
+    assert max(counts.values()) <= 0.65 * len(prompts), counts
