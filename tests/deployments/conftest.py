@@ -69,8 +69,10 @@ def deploy(
     app = build(
         AppArgs.model_validate(args),
         engine_options={
-            "num_replicas": num_replicas,
+            # An autoscaling_config in engine_options replaces the fixed replica count.
+            **({} if "autoscaling_config" in (engine_options or {}) else {"num_replicas": num_replicas}),
             "ray_actor_options": {"num_cpus": engine_num_cpus},
+            **(engine_options or {}),
         },
         ingress_options={"ray_actor_options": {"num_cpus": 0}},
     )
