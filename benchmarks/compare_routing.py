@@ -1,0 +1,95 @@
+"""Compare routing policies on a live 2-replica service: shared prefixes, and no sharing.
+
+    python -m benchmarks.compare_routing [--policies prefix_aware,power_of_two,round_robin]
+
+For each policy it starts ``serve run`` on a variant of ``serve_config.yaml``, runs the
+shared-prefix workload (many system prompts, few requests each, interleaved) and a workload with no
+sharing (W1: distinct prompts), and prints hit ratio, TTFT p50/p99 and throughput per policy, then
+one JSON line. KV sharing between replicas is off by default so routing alone is compared
+(``--kv-sharing`` turns it on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from benchmarks import serve as bench
+from benchmarks.service import config_variant, running_service
+
+POLICIES = ("prefix_aware", "power_of_two", "round_robin")
+
+
+def workloads(args: argparse.Namespace) -> dict[str, list[str]]:
+    common = ["--disable-tqdm", "--ignore-eos", "--seed", str(args.seed)]
+    return {
+        "shared-prefix": [
+            "--workload", "shared-prefix", "--num-groups", str(args.groups),
+            "--prompts-per-group", str(args.per_group), "--prefix-len", str(args.prefix_len),
+            "--question-len", "32", "--output-len", str(args.shared_output_len),
+            "--arrival-order", "interleaved", "--concurrency", str(args.shared_concurrency),
+            *common,
+        ],
+        "no-sharing": [
+            "--workload", "random", "--num-prompts", str(args.random_prompts),
+            "--input-len-min", "64", "--input-len-max", "128", "--output-len", "128",
+            "--concurrency", str(args.random_concurrency), *common,
+        ],
+    }
+
+
+def row(policy: str, workload: str, s: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "policy": policy,
+        "workload": workload,
+        "completed": s["completed"],
+        "failed": s["failed"],
+        "hit_ratio": s["prefix_cache_hit_ratio"],
+        "ttft_p50_ms": s["ttft_ms"]["p50"],
+        "ttft_p99_ms": s["ttft_ms"]["p99"],
+        "output_tok_s": s["output_token_throughput"],
+        "req_s": s["request_throughput"],
+        "max_replica_share": (s.get("replicas") or {}).get("max_share"),
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--kv-sharing", action="store_true")
+    p.add_argument("--groups", type=int, default=16)
+    p.add_argument("--per-group", type=int, default=3)
+    p.add_argument("--prefix-len", type=int, default=768)
+    p.add_argument("--shared-output-len", type=int, default=16)
+    p.add_argument("--shared-concurrency", type=int, default=4)
+    p.add_argument("--random-prompts", type=int, default=64)
+    p.add_argument("--random-concurrency", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=8000)
+    args = p.parse_args(argv)
+
+    rows = []
+    for policy in args.policies.split(","):
+        config = config_variant({"routing_policy": policy,
+                                 "kv_sharing": {"enabled": args.kv_sharing}})
+        with running_service(config, port=args.port) as url:
+            for name, wl in workloads(args).items():
+                summary = bench.main(["--base-url", url, *wl])
+                rows.append(row(policy, name, summary))
+    print()
+    header = f"{'policy':<14}{'workload':<15}{'hit':>7}{'TTFT p50':>11}{'TTFT p99':>11}{'tok/s':>9}{'max share':>11}"
+    print(header)
+    for r in rows:
+        share = r["max_replica_share"]
+        print(
+            f"{r['policy']:<14}{r['workload']:<15}{(r['hit_ratio'] or 0):>7.2f}"
+            f"{r['ttft_p50_ms']:>9.0f}ms{r['ttft_p99_ms']:>9.0f}ms{r['output_tok_s']:>9.1f}"
+            f"{(share if share is not None else float('nan')):>11.2f}"
+        )
+    print(json.dumps({"kv_sharing": args.kv_sharing, "rows": rows}))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
