@@ -25,16 +25,38 @@ def workloads(args: argparse.Namespace) -> dict[str, list[str]]:
     common = ["--disable-tqdm", "--ignore-eos", "--seed", str(args.seed)]
     return {
         "shared-prefix": [
-            "--workload", "shared-prefix", "--num-groups", str(args.groups),
-            "--prompts-per-group", str(args.per_group), "--prefix-len", str(args.prefix_len),
-            "--question-len", "32", "--output-len", str(args.shared_output_len),
-            "--arrival-order", "interleaved", "--concurrency", str(args.shared_concurrency),
+            "--workload",
+            "shared-prefix",
+            "--num-groups",
+            str(args.groups),
+            "--prompts-per-group",
+            str(args.per_group),
+            "--prefix-len",
+            str(args.prefix_len),
+            "--question-len",
+            "32",
+            "--output-len",
+            str(args.shared_output_len),
+            "--arrival-order",
+            "interleaved",
+            "--concurrency",
+            str(args.shared_concurrency),
             *common,
         ],
         "no-sharing": [
-            "--workload", "random", "--num-prompts", str(args.random_prompts),
-            "--input-len-min", "64", "--input-len-max", "128", "--output-len", "128",
-            "--concurrency", str(args.random_concurrency), *common,
+            "--workload",
+            "random",
+            "--num-prompts",
+            str(args.random_prompts),
+            "--input-len-min",
+            "64",
+            "--input-len-max",
+            "128",
+            "--output-len",
+            "128",
+            "--concurrency",
+            str(args.random_concurrency),
+            *common,
         ],
     }
 
@@ -55,7 +77,9 @@ def row(policy: str, workload: str, s: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--kv-sharing", action="store_true")
     p.add_argument("--groups", type=int, default=16)
@@ -71,8 +95,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     rows = []
     for policy in args.policies.split(","):
-        config = config_variant({"routing_policy": policy,
-                                 "kv_sharing": {"enabled": args.kv_sharing}})
+        config = config_variant(
+            {"routing_policy": policy, "kv_sharing": {"enabled": args.kv_sharing}}
+        )
         with running_service(config, port=args.port) as url:
             for name, wl in workloads(args).items():
                 summary = bench.main(["--base-url", url, *wl])

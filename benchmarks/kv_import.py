@@ -24,8 +24,14 @@ from benchmarks.service import config_variant, running_service
 
 
 def ttft(client: httpx.Client, url: str, prompt: list[int]) -> dict[str, Any]:
-    body = {"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 1, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "smollm2-135m-instruct",
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     first = None
     usage = None
@@ -40,12 +46,17 @@ def ttft(client: httpx.Client, url: str, prompt: list[int]) -> dict[str, Any]:
                 first = time.perf_counter() - start
             if chunk.get("usage"):
                 usage = chunk["usage"]
-    return {"ttft_s": first, "replica": replica,
-            "cached": usage["prompt_tokens_details"]["cached_tokens"] if usage else None}
+    return {
+        "ttft_s": first,
+        "replica": replica,
+        "cached": usage["prompt_tokens_details"]["cached_tokens"] if usage else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=8)
     p.add_argument("--trials", type=int, default=5)
@@ -85,8 +96,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "speedup": round(rec / imp, 2),
         "cached_tokens_imported": [r["cached"] for r in imported],
     }
-    print(f"TTFT, {args.prefix_len}-token prefix: imported {imp * 1000:.0f} ms, "
-          f"recomputed {rec * 1000:.0f} ms (median of {args.trials}): {rec / imp:.1f}x")
+    print(
+        f"TTFT, {args.prefix_len}-token prefix: imported {imp * 1000:.0f} ms, "
+        f"recomputed {rec * 1000:.0f} ms (median of {args.trials}): {rec / imp:.1f}x"
+    )
     print(json.dumps(result))
     return result
 

@@ -63,7 +63,10 @@ def wait_healthy(base_url: str, replicas: int, timeout_s: float, proc: subproces
 
 @contextlib.contextmanager
 def running_service(
-    config: dict[str, Any], replicas: int = 2, port: int = 8000, timeout_s: float = 300,
+    config: dict[str, Any],
+    replicas: int = 2,
+    port: int = 8000,
+    timeout_s: float = 300,
     log_path: Path | None = None,
 ) -> Iterator[str]:
     """Run ``serve run`` on ``config``; yields the base URL once every engine replica serves."""
@@ -75,7 +78,11 @@ def running_service(
     log = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed below
     serve_bin = Path(sys.executable).with_name("serve")
     proc = subprocess.Popen(
-        [str(serve_bin), "run", path], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        [str(serve_bin), "run", path],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     base_url = f"http://127.0.0.1:{port}"

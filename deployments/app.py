@@ -38,7 +38,10 @@ def engine_deployment(args: AppArgs) -> Any:
         "name": "Engine",
         "deployment_actors": actors,
         "request_router_config": request_router_config(
-            args.routing_policy, args.router.model_dump(), args.router.stats_period_s
+            args.routing_policy,
+            args.router.model_dump(),
+            args.router.stats_period_s,
+            kv_sharing=args.kv_sharing.enabled,
         ),
     }
     return serve.deployment(EngineReplica).options(**options)

@@ -35,7 +35,9 @@ class Entry:
 
 class KVDirectoryState:
     def __init__(
-        self, capacity_bytes: int = 2 << 30, eviction: Literal["lru", "fifo"] = "lru",
+        self,
+        capacity_bytes: int = 2 << 30,
+        eviction: Literal["lru", "fifo"] = "lru",
         owner_timeout_s: float = 15.0,
     ) -> None:
         if eviction not in ("lru", "fifo"):

@@ -31,7 +31,11 @@ from engine.request import Request
 
 logger = logging.getLogger("ray.serve")
 
-_NUMPY_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.float16, torch.float32: torch.float32}
+_NUMPY_VIEW = {
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.float16,
+    torch.float32: torch.float32,
+}
 
 
 def to_numpy(kv: torch.Tensor) -> np.ndarray:
@@ -52,7 +56,11 @@ class ImportPlan:
 
 class KVSharing:
     def __init__(
-        self, replica_id: str, async_engine: AsyncEngine, args: KVSharingArgs, directory: Any,
+        self,
+        replica_id: str,
+        async_engine: AsyncEngine,
+        args: KVSharingArgs,
+        directory: Any,
         metrics: Any,
     ) -> None:
         self.replica_id = replica_id
@@ -67,11 +75,14 @@ class KVSharing:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.published = metrics.counter(
-            "prefixserve_kv_blocks_published", "KV blocks published to the object store.")
+            "prefixserve_kv_blocks_published", "KV blocks published to the object store."
+        )
         self.imported = metrics.counter(
-            "prefixserve_kv_blocks_imported", "KV blocks imported from other replicas.")
+            "prefixserve_kv_blocks_imported", "KV blocks imported from other replicas."
+        )
         self.import_failures = metrics.counter(
-            "prefixserve_kv_import_failures", "Imports that fell back to recompute.")
+            "prefixserve_kv_import_failures", "Imports that fell back to recompute."
+        )
         self.replica_label = replica_id
         self.engine.on_prefill_done = self._on_prefill_done
 

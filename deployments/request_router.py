@@ -78,12 +78,14 @@ class PolicyRequestRouter(RequestRouter):
         # carried it is recorded (the figure already counts that request).
         self._queue_len: dict[str, int] = {}
         self._last_error_log = -float("inf")
+        self._kv_sharing = False
 
     @property
     def policy(self) -> RoutingPolicy:
         return self._policy
 
     def initialize_state(self, **kwargs: Any) -> None:
+        self._kv_sharing = bool(kwargs.pop("kv_sharing", False))
         self._policy = make_policy(self.policy_name, RouterConfig.from_mapping(kwargs))
 
     async def choose_replicas(
@@ -115,11 +117,11 @@ class PolicyRequestRouter(RequestRouter):
             key = replica_key(replica.replica_id)
             by_key[key] = replica
             self._ingest_stats(key, replica, now)
+        directory = request_directory_hashes(pending_request)
+        if directory is None and self._kv_sharing:
+            directory = _HeldAnywhere(self._policy, list(by_key), now)
         ranks = self._policy.rank(
-            list(by_key),
-            request_block_hashes(pending_request),
-            now,
-            request_directory_hashes(pending_request),
+            list(by_key), request_block_hashes(pending_request), now, directory
         )
         ranked = [[by_key[key] for key in rank] for rank in ranks if rank]
         # Replicas believed full go last: Serve would probe each one before moving on.
@@ -205,6 +207,20 @@ class PolicyRequestRouter(RequestRouter):
             logger.exception(message)
 
 
+class _HeldAnywhere:
+    """With KV sharing on, a block some replica caches has (normally) been published to the KV
+    directory, so any replica can import it: the union of the replicas' views stands in for the
+    directory without a round trip to it per request."""
+
+    def __init__(self, policy: RoutingPolicy, replicas: list[str], now: float) -> None:
+        self._views = [v for v in (policy.view(r) for r in replicas) if v is not None]
+        self._now = now
+        self._ttl = policy.config.decision_ttl_s
+
+    def __contains__(self, block_hash: object) -> bool:
+        return any(v.holds(block_hash, self._now, self._ttl) for v in self._views)  # type: ignore[arg-type]
+
+
 class PrefixAwareRequestRouter(PolicyRequestRouter):
     policy_name = "prefix_aware"
 
@@ -224,13 +240,17 @@ REQUEST_ROUTERS: dict[str, type[PolicyRequestRouter]] = {
 
 
 def request_router_config(
-    policy: str, router_args: Mapping[str, Any], stats_period_s: float = 1.0
+    policy: str,
+    router_args: Mapping[str, Any],
+    stats_period_s: float = 1.0,
+    kv_sharing: bool = False,
 ) -> RequestRouterConfig:
     """The Engine deployment's ``RequestRouterConfig`` for ``policy`` (``prefix_aware``,
     ``power_of_two`` or ``round_robin``). ``router_args`` holds ``router.RouterConfig`` fields
     (e.g. ``AppArgs.router.model_dump()``; its ``stats_period_s`` is ignored in favour of the
     argument); they are validated here and reach the router as ``request_router_kwargs``.
-    ``stats_period_s`` is how often Serve polls each replica's ``record_routing_stats()``."""
+    ``stats_period_s`` is how often Serve polls each replica's ``record_routing_stats()``. With
+    ``kv_sharing``, blocks cached on any replica count as importable at transfer cost."""
     try:
         cls = REQUEST_ROUTERS[policy]
     except KeyError:
@@ -240,6 +260,6 @@ def request_router_config(
     config = RouterConfig.from_mapping(router_args)
     return RequestRouterConfig(
         request_router_class=cls,
-        request_router_kwargs=config.to_dict(),
+        request_router_kwargs={**config.to_dict(), "kv_sharing": kv_sharing},
         request_routing_stats_period_s=stats_period_s,
     )

@@ -13,7 +13,9 @@ from engine.block_hash import BlockHash
 from engine.llm_engine import LLMEngine
 
 
-def export_blocks(engine: LLMEngine, hashes: list[BlockHash]) -> tuple[list[BlockHash], torch.Tensor]:
+def export_blocks(
+    engine: LLMEngine, hashes: list[BlockHash]
+) -> tuple[list[BlockHash], torch.Tensor]:
     """The KV of the longest leading run of ``hashes`` still cached here (a CPU copy)."""
     pool = engine.kv.pool
     found: list[BlockHash] = []
@@ -30,9 +32,7 @@ def export_blocks(engine: LLMEngine, hashes: list[BlockHash]) -> tuple[list[Bloc
     return found, kv.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
 
 
-def import_blocks(
-    engine: LLMEngine, hashes: list[BlockHash], kv: torch.Tensor
-) -> tuple[int, int]:
+def import_blocks(engine: LLMEngine, hashes: list[BlockHash], kv: torch.Tensor) -> tuple[int, int]:
     """Install blocks computed elsewhere as free cached blocks, so the next admission hits them.
 
     ``hashes[i]`` names ``kv[i]``. Blocks already cached here are skipped; nothing is installed

@@ -60,8 +60,13 @@ def test_scales_up_under_burst_and_back_down(serve_instance: str, tiny_llama_wit
         served_by: set[str] = set()
 
         def client() -> None:
-            body = {"model": "tiny", "prompt": "keep the engine busy", "max_tokens": 64,
-                    "temperature": 0, "ignore_eos": True}
+            body = {
+                "model": "tiny",
+                "prompt": "keep the engine busy",
+                "max_tokens": 64,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             with httpx.Client(timeout=120) as c:
                 while not stop.is_set():
                     r = c.post(f"{serve_instance}/v1/completions", json=body)
@@ -81,8 +86,11 @@ def test_scales_up_under_burst_and_back_down(serve_instance: str, tiny_llama_wit
                 t.join(timeout=120)
         down = _wait_for(lambda: _engine_replicas() == {"RUNNING": 1}, 120, "scale-down")
         print(f"scaled up after {up:.1f}s of burst, back down {down:.1f}s after it ended")
-        r = httpx.post(f"{serve_instance}/v1/completions",
-                       json={"model": "tiny", "prompt": "still there?", "max_tokens": 2}, timeout=60)
+        r = httpx.post(
+            f"{serve_instance}/v1/completions",
+            json={"model": "tiny", "prompt": "still there?", "max_tokens": 2},
+            timeout=60,
+        )
         assert r.status_code == 200
     finally:
         undeploy(APP)

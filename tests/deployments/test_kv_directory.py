@@ -39,7 +39,11 @@ def test_lookup_returns_leading_run_with_positions() -> None:
     d.publish("b", [13], _ref("y"), block_nbytes=10)
     run = d.lookup([10, 11, 12, 13, 99, 14])
     assert [(h, ref, i, owner) for h, ref, i, owner in run] == [
-        (10, ["x"], 0, "a"), (11, ["x"], 1, "a"), (12, ["x"], 2, "a"), (13, ["y"], 0, "b")]
+        (10, ["x"], 0, "a"),
+        (11, ["x"], 1, "a"),
+        (12, ["x"], 2, "a"),
+        (13, ["y"], 0, "b"),
+    ]
     assert d.contains([10, 11, 99]) == 2
     assert d.lookup([99, 10]) == []
 

@@ -30,8 +30,13 @@ def _args(model: Path) -> dict:
 
 
 def _complete(base_url: str, prompt: list[int]) -> httpx.Response:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r
@@ -75,8 +80,9 @@ def test_second_replica_imports_prefix(serve_instance, tiny_llama_with_tokenizer
         replica_a = cold.headers["x-engine-replica"]
         assert cold.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         _wait_published(min_entries=37)  # 600 tokens = 37 full blocks of 16
-        before = total(metrics(serve_instance), "prefixserve_prefix_cache_hit_tokens_total",
-                       source="remote")
+        before = total(
+            metrics(serve_instance), "prefixserve_prefix_cache_hit_tokens_total", source="remote"
+        )
 
         warm = _on_other_replica(serve_instance, prompt, replica_a)
         cached = warm.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -85,8 +91,11 @@ def test_second_replica_imports_prefix(serve_instance, tiny_llama_with_tokenizer
         # Replicas report metrics about once a second.
         deadline = time.monotonic() + 10
         while True:
-            after = total(metrics(serve_instance), "prefixserve_prefix_cache_hit_tokens_total",
-                          source="remote")
+            after = total(
+                metrics(serve_instance),
+                "prefixserve_prefix_cache_hit_tokens_total",
+                source="remote",
+            )
             if after - before >= cached or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
@@ -106,7 +115,8 @@ def test_owner_death_falls_back_to_recompute(serve_instance, tiny_llama_with_tok
         assert stats["owners"].get(owner, 0) >= 18
 
         actor = next(
-            a for a in ray.util.list_named_actors(all_namespaces=True)
+            a
+            for a in ray.util.list_named_actors(all_namespaces=True)
             if a["name"].endswith(owner) and "Engine" in a["name"]
         )
         ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)

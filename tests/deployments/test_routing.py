@@ -25,8 +25,13 @@ async def _run(base_url: str, prompts: list[list[int]], concurrency: int) -> lis
 
     async def one(i: int, client: httpx.AsyncClient) -> None:
         async with sem:
-            body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 4, "temperature": 0,
-                    "ignore_eos": True}
+            body = {
+                "model": "tiny",
+                "prompt": prompts[i],
+                "max_tokens": 4,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             r = await client.post(f"{base_url}/v1/completions", json=body)
             assert r.status_code == 200, r.text
             usage = r.json()["usage"]
@@ -92,7 +97,9 @@ def test_shared_prefixes_follow_their_cache(base_url: str) -> None:
 
 def test_unrelated_prompts_spread(base_url: str) -> None:
     rng = random.Random(12)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(40, 120))] for _ in range(40)]
+    prompts = [
+        [rng.randrange(100, 40000) for _ in range(rng.randrange(40, 120))] for _ in range(40)
+    ]
     results = asyncio.run(_run(base_url, prompts, concurrency=4))
     counts = collections.Counter(r["replica"] for r in results)
     assert len(counts) == 2

@@ -62,8 +62,10 @@ def pending(arg: Any, request_id: str = "r1") -> PendingRequest:
     )
 
 
-def make_router(policy: str = "prefix_aware", **router_args: Any) -> Any:
-    config = request_router_config(policy, RouterArgs(**router_args).model_dump(), 0.5)
+def make_router(policy: str = "prefix_aware", kv_sharing: bool = False, **router_args: Any) -> Any:
+    config = request_router_config(
+        policy, RouterArgs(**router_args).model_dump(), 0.5, kv_sharing=kv_sharing
+    )
     router_cls = config.get_request_router_class()  # cloudpickled by value, as Serve ships it
     router = router_cls(
         deployment_id=DEPLOYMENT,
@@ -229,5 +231,23 @@ def test_replicas_believed_full_are_tried_last() -> None:
         assert ids(await router.choose_replicas([a, b], request)) == [["a"], ["b"]]
         router.on_request_routed(pending({"block_hashes": H}, "r2"), a.replica_id, None)
         assert ids(await router.choose_replicas([a, b], request)) == [["b"], ["a"]]
+
+    run(body)
+
+
+@pytest.mark.parametrize("kv_sharing", [False, True])
+def test_kv_sharing_lets_an_idle_replica_import_a_busy_holders_prefix(kv_sharing: bool) -> None:
+    """With KV sharing, a prefix cached on a busy replica costs only its transfer elsewhere."""
+
+    async def body() -> None:
+        router = make_router(kv_sharing=kv_sharing, imbalance_abs=100)
+        now = time.time()
+        a = FakeReplica("a", report("a", H, at=now, running=5))
+        b = FakeReplica("b", report("b", [], at=now))
+        router.update_replicas([a, b])
+        await settle()
+        ranks = ids(await router.choose_replicas([a, b], pending(EngineRequest(block_hashes=H))))
+        # 30 blocks: prefill 30 vs transfer 7.5 on b; a's load of 5 costs 20.
+        assert ranks[0] == (["b"] if kv_sharing else ["a"])
 
     run(body)
