@@ -29,6 +29,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 serve: $(STAMP)
+	@# Convert the default model once, up front, rather than inside three starting replicas.
+	$(PY) -c "from engine.model.loader import DEFAULT_MODEL, resolve_model; print('model:', resolve_model(DEFAULT_MODEL))"
 	$(VENV)/bin/serve run $(CONFIG)
 
 test: $(STAMP)
