@@ -4,8 +4,10 @@ layer drives it from one background thread (see ``engine.async_engine``)."""
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +78,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def as_token_ids(prompt: object) -> list[int]:
+    """A token-id prompt as a list of Python ints. Any integer type passes (numpy, torch
+    scalars, arrays); bools and floats do not, since ``int()`` would silently truncate them."""
+    if not isinstance(prompt, Iterable) or isinstance(prompt, bytes | Mapping):
+        raise ValueError("prompt: must be a string or a list of token ids")
+    try:
+        ids = list(prompt)
+        if any(isinstance(t, bool) for t in ids):
+            raise TypeError
+        return [operator.index(t) for t in ids]
+    except TypeError:
+        raise ValueError("prompt: token ids must be integers") from None
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -84,7 +100,9 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         hf_config, generation_config = load_hf_config(self.model_dir)
         self.model_cfg = model_config_from_hf(hf_config, generation_config)
-        self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else self.model_dir)
+        self.tokenizer = load_tokenizer(
+            Path(config.tokenizer) if config.tokenizer else self.model_dir
+        )
         eos = set(self.model_cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -151,14 +169,18 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt: must not be empty")
         vocab = self.model_cfg.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
+        if any(
+            not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids
+        ):
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens leave no room to generate within "
                 f"max_model_len={self.max_model_len}"
             )
-        needed = cdiv(min(len(token_ids) + params.max_tokens, self.max_model_len), self.config.block_size)
+        needed = cdiv(
+            min(len(token_ids) + params.max_tokens, self.max_model_len), self.config.block_size
+        )
         if needed > self.num_blocks:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens plus max_tokens={params.max_tokens} need "
@@ -176,7 +198,7 @@ class LLMEngine:
     ) -> Request:
         """Queue a request; no model work happens here."""
         params = params or SamplingParams()
-        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else as_token_ids(prompt)
         self.validate_prompt(token_ids, params)
         detok = None
         if self.tokenizer is not None:
@@ -231,7 +253,9 @@ class LLMEngine:
 
         now = time.monotonic()
         deltas = []
-        for request, token, logprobs in zip(sampled, result.token_ids, result.logprobs, strict=True):
+        for request, token, logprobs in zip(
+            sampled, result.token_ids, result.logprobs, strict=True
+        ):
             request.append_output_token(token)
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -277,7 +301,10 @@ class LLMEngine:
             if stop_str is not None:
                 request.stop_reason = stop_str
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH
         return None
 
