@@ -59,7 +59,7 @@ def test_shared_prefixes_hit_cache_and_match(tiny_llama):
     system = [rng.randrange(3, 512) for _ in range(70)]
     prompts = [system + [rng.randrange(3, 512) for _ in range(n)] for n in (3, 20, 41, 9)]
     reference = hf_greedy(tiny_llama, prompts, MAX_NEW)
-    llm = LLM(model=str(tiny_llama), dtype="float32", block_size=8)
+    llm = LLM(model=str(tiny_llama), dtype="float32", block_size=8, num_kv_blocks=256)
     first = llm.generate(prompts[:1], greedy())
     assert first[0].num_cached_tokens == 0
     rest = llm.generate(prompts[1:], greedy())
@@ -78,7 +78,13 @@ def test_chunked_prefill_after_cache_hit(tiny_llama):
     base = [rng.randrange(3, 512) for _ in range(120)]
     prompts = [base, base[:50] + [rng.randrange(3, 512) for _ in range(90)]]
     reference = hf_greedy(tiny_llama, prompts, 8)
-    llm = LLM(model=str(tiny_llama), dtype="float32", block_size=16, max_num_batched_tokens=20)
+    llm = LLM(
+        model=str(tiny_llama),
+        dtype="float32",
+        block_size=16,
+        max_num_batched_tokens=20,
+        num_kv_blocks=64,
+    )
     outs = [llm.generate([p], greedy(8))[0] for p in prompts]
     assert [o.token_ids for o in outs] == reference
     assert outs[1].num_cached_tokens == 48
@@ -105,7 +111,7 @@ ARCHITECTURES = {
 def test_architecture_variants_match_transformers(arch, prompts, tmp_path_factory):
     model_dir = make_tiny_llama(tmp_path_factory.mktemp(arch), seed=3, **ARCHITECTURES[arch])
     reference = hf_greedy(model_dir, prompts, MAX_NEW)
-    llm = LLM(model=str(model_dir), dtype="float32", max_num_batched_tokens=64)
+    llm = LLM(model=str(model_dir), dtype="float32", max_num_batched_tokens=64, num_kv_blocks=256)
     cfg = llm.engine.model_cfg
     assert cfg.model_type == ARCHITECTURES[arch].get("model_type", "llama")
     assert cfg.tie_word_embeddings == (arch == "tied-embeddings")
@@ -120,7 +126,7 @@ def test_smollm2_chat_matches_transformers(smollm2_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(model="smollm2-135m-instruct", dtype="float32")
+    llm = LLM(model="smollm2-135m-instruct", dtype="float32", num_kv_blocks=64)
     assert llm.engine.model_dir == smollm2_dir
     tok = llm.get_tokenizer()
     messages = [

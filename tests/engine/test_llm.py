@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
+from tests.engine.helpers import random_tokens as tokens
 
 
 def greedy(max_tokens: int = 8, **options) -> SamplingParams:
@@ -22,12 +16,14 @@ def greedy(max_tokens: int = 8, **options) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama) -> LLM:
-    return LLM(model=str(tiny_llama), dtype="float32", max_model_len=128, block_size=8)
+    return LLM(
+        model=str(tiny_llama), dtype="float32", max_model_len=128, block_size=8, num_kv_blocks=64
+    )
 
 
 @pytest.fixture(scope="module")
 def llm_tok(tiny_llama_with_tokenizer) -> LLM:
-    return LLM(model=str(tiny_llama_with_tokenizer), dtype="float32")
+    return LLM(model=str(tiny_llama_with_tokenizer), dtype="float32", num_kv_blocks=64)
 
 
 @pytest.fixture(autouse=True)

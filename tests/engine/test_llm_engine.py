@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 
 import pytest
@@ -20,16 +19,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from engine import EngineConfig, LLMEngine, RequestStatus, SamplingParams
-
-
-def make_engine(model_dir, **options) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", **options))
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
+from engine import LLM, LLMEngine, RequestStatus, SamplingParams
+from tests.engine.helpers import make_engine
+from tests.engine.helpers import random_tokens as tokens
 
 
 def run_to_completion(engine: LLMEngine, max_steps: int = 500) -> list:
@@ -149,15 +141,20 @@ PREFIXES = [[], tokens(9, 100), tokens(17, 101)]
 
 
 class EngineMachine(RuleBasedStateMachine):
-    """Random add / step / abort sequences on a small KV pool (preemption is frequent)."""
+    """Random add / step / abort sequences on a small KV pool (preemption is frequent).
+
+    Every finished request's tokens must equal what a roomy engine without prefix caching or
+    preemption generates for it: preemption, prefix hits and aborts must never corrupt KV."""
 
     model_dir: str = ""
+    reference: LLM | None = None
     live = Bundle("live")
 
     def __init__(self) -> None:
         super().__init__()
         self.engine: LLMEngine | None = None
         self.added: dict[str, SamplingParams] = {}
+        self.prompts: dict[str, list[int]] = {}
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, str] = {}
         self.aborted: set[str] = set()
@@ -194,7 +191,8 @@ class EngineMachine(RuleBasedStateMachine):
             rid = f"r{self.next_id}"
             self.next_id += 1
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-            self.engine.add_request(rid, PREFIXES[prefix] + suffix, params, priority=priority)
+            self.prompts[rid] = PREFIXES[prefix] + suffix
+            self.engine.add_request(rid, self.prompts[rid], params, priority=priority)
             self.added[rid] = params
             self.outputs[rid] = []
             rids.append(rid)
@@ -258,10 +256,19 @@ class EngineMachine(RuleBasedStateMachine):
         # No request is lost: each one finished or was aborted, never both.
         assert set(self.finished) | self.aborted == set(self.added)
         assert not set(self.finished) & self.aborted
+        done = sorted(self.finished)
+        if done and self.reference is not None:
+            expected = self.reference.generate(
+                [self.prompts[r] for r in done], [self.added[r] for r in done]
+            )
+            assert [self.outputs[r] for r in done] == [o.token_ids for o in expected]
 
 
 def test_random_add_step_abort_sequences(tiny_llama):
     EngineMachine.model_dir = str(tiny_llama)
+    EngineMachine.reference = LLM(
+        model=str(tiny_llama), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False
+    )
     run_state_machine_as_test(
         EngineMachine,
         settings=settings(

@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import SamplingParams
 from engine.model_runner import ScheduledSeq
-
-
-def make_engine(model_dir, **options) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", **options))
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
+from tests.engine.helpers import make_engine
+from tests.engine.helpers import random_tokens as tokens
 
 
 def test_only_sequences_reaching_their_end_sample(tiny_llama):
