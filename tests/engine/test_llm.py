@@ -238,3 +238,11 @@ def test_chat_applies_the_template(llm_tok):
     assert out.prompt_token_ids == list(expected)
     both = llm_tok.chat([messages, messages], greedy(4))
     assert [o.token_ids for o in both] == [out.token_ids] * 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a CPU-only machine")
+def test_cuda_only_options_fail_clearly_without_cuda(tiny_llama):
+    with pytest.raises(ValueError, match="^device:"):
+        LLM(model=str(tiny_llama), device="cuda", num_kv_blocks=8)
+    with pytest.raises(ValueError, match="^attention_backend:"):
+        LLM(model=str(tiny_llama), attention_backend="flash", num_kv_blocks=8)

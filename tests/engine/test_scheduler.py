@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
@@ -246,12 +248,8 @@ def test_abort_waiting_and_running_requests_frees_their_blocks():
 def test_duplicate_request_id_is_rejected():
     sim = Sim()
     sim.add("a", 2)
-    try:
+    with pytest.raises(ValueError, match="^request_id:"):
         sim.add("a", 2)
-    except ValueError as e:
-        assert "request_id" in str(e)
-    else:
-        raise AssertionError("duplicate id accepted")
 
 
 def test_waiting_queue_keeps_a_preempted_requests_place():
