@@ -49,23 +49,29 @@ class EngineConfig:
         if not self.model or not isinstance(self.model, str):
             raise ValueError("model: a model name, directory or .gguf path is required")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        if self.num_kv_blocks is not None and (
-            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks <= 0
-        ):
-            raise ValueError(f"num_kv_blocks: must be a positive integer, got {self.num_kv_blocks!r}")
-        if self.max_model_len is not None and (
-            not isinstance(self.max_model_len, int) or self.max_model_len <= 0
-        ):
-            raise ValueError(f"max_model_len: must be a positive integer, got {self.max_model_len!r}")
-        if self.kv_cache_memory_gb <= 0:
-            raise ValueError(f"kv_cache_memory_gb: must be positive, got {self.kv_cache_memory_gb!r}")
-        if not 0.0 <= self.watermark < 1.0:
+            _check_positive_int(name, getattr(self, name))
+        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if not _is_number(self.kv_cache_memory_gb) or self.kv_cache_memory_gb <= 0:
+            raise ValueError(
+                f"kv_cache_memory_gb: must be positive, got {self.kv_cache_memory_gb!r}"
+            )
+        if not _is_number(self.watermark) or not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark: must be in [0, 1), got {self.watermark!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching: must be a boolean, got {self.enable_prefix_caching!r}"
+            )
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        for name in ("tokenizer", "hash_salt"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name}: must be a string, got {getattr(self, name)!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -76,8 +82,15 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend: must be auto, torch or flash, got {self.attention_backend!r}"
             )
-        if self.num_threads is not None and self.num_threads <= 0:
-            raise ValueError(f"num_threads: must be positive, got {self.num_threads!r}")
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")

@@ -50,9 +50,8 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 rid = str(next(self._ids))
-                tokens = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
                 request = self.engine.add_request(
-                    rid, tokens, params, priority=priority[i] if priority else 0
+                    rid, prompt, params, priority=priority[i] if priority else 0
                 )
                 outputs[rid] = RequestOutput(
                     request_id=rid,
@@ -104,7 +103,11 @@ class LLM:
             raise ValueError("messages: this model has no tokenizer, so no chat template")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [
-            list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
+            list(
+                tok.apply_chat_template(
+                    c, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, **kwargs)

@@ -4,9 +4,10 @@ layer drives it from one background thread (see ``engine.async_engine``)."""
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16
         return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def as_token_ids(prompt: object) -> list[int]:
+    """A token-id prompt as a list of Python ints. Any integer type passes (numpy, torch
+    scalars, arrays); bools and floats do not, since ``int()`` would silently truncate them."""
+    if not isinstance(prompt, Iterable) or isinstance(prompt, bytes | Mapping):
+        raise ValueError("prompt: must be a string or a list of token ids")
+    try:
+        ids = list(prompt)
+        if any(isinstance(t, bool) for t in ids):
+            raise TypeError
+        return [operator.index(t) for t in ids]
+    except TypeError:
+        raise ValueError("prompt: token ids must be integers") from None
 
 
 class LLMEngine:
@@ -207,7 +222,7 @@ class LLMEngine:
     ) -> Request:
         """Validate and build a request without touching engine state (thread-safe)."""
         params = params or SamplingParams()
-        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else as_token_ids(prompt)
         self.validate_prompt(token_ids, params)
         detok = None
         if self.tokenizer is not None:

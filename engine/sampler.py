@@ -42,10 +42,7 @@ class Sampler:
         logits = self._suppress_stops(logits, requests)
 
         greedy = [p.greedy for p in params]
-        if all(greedy):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, requests, greedy)
+        tokens = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, requests, greedy)
 
         token_list = tokens.tolist()
         out_logprobs: list[TokenLogprobs | None] = [None] * len(requests)
@@ -61,9 +58,7 @@ class Sampler:
                     top = list(
                         zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist(), strict=True)
                     )
-                out_logprobs[i] = TokenLogprobs(
-                    token_list[i], float(lp[row, token_list[i]]), top
-                )
+                out_logprobs[i] = TokenLogprobs(token_list[i], float(lp[row, token_list[i]]), top)
         return SamplerOutput(token_list, out_logprobs)
 
     @staticmethod
@@ -91,7 +86,9 @@ class Sampler:
     ) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         greedy_tokens = logits.argmax(dim=-1)
-        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])
+        temps = torch.tensor(
+            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+        )
         x = logits / temps[:, None]
 
         vocab = x.shape[1]

@@ -2,14 +2,14 @@
 
 Each ``schedule()`` builds one step:
 
-1. Running requests first, in order: a decode costs 1 token, an unfinished prefill a chunk of at
-   most the remaining budget. When the pool cannot hold a running request's next tokens, the
-   lowest-priority running request that is not yet scheduled this step is preempted (its blocks
-   freed, its progress reset; it goes back to the waiting queue and recomputes later).
+1. Running requests first, in policy order: a decode costs 1 token, an unfinished prefill a
+   chunk of at most the remaining budget. When the pool cannot hold a running request's next
+   tokens, the lowest-priority running request that is not yet scheduled this step is preempted
+   (its blocks freed, its progress reset; it goes back to the waiting queue and recomputes later).
 2. Then waiting requests, in policy order, while the budget, ``max_num_seqs`` and the blocks allow,
-   each admitted with its prefix-cache hit and leaving a watermark of free blocks. Admission stops
-   at the first request that does not fit (no overtaking, so no starvation), and is skipped
-   entirely in a step that had to preempt.
+   each admitted with its prefix-cache hit and leaving a watermark of free blocks while others
+   run. Admission stops at the first request that does not fit (no overtaking, so no
+   starvation), and is skipped entirely in a step that had to preempt.
 
 Prefill chunks and decodes share a step, so a long prompt never stalls running streams.
 """
@@ -96,6 +96,8 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting = WaitingQueue(config.scheduling_policy)
+        # Kept in policy order (the waiting queue's key), so that the running loop serves the
+        # most important requests first and preemption victims come from the tail.
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
@@ -139,9 +141,7 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------
     def _victim(self, candidates: list[Request]) -> Request:
-        if self.config.scheduling_policy == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
-        return candidates[-1]
+        return max(candidates, key=self.waiting.key)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -180,15 +180,14 @@ class Scheduler:
         if out.preempted:
             return out
 
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(request, num_new, computed_blocks, use_watermark=True):
+            # The watermark protects running requests; with none, a request that needs nearly
+            # the whole pool must still be admitted or it would wait forever.
+            use_watermark = bool(self.running)
+            if not self.kv.allocate_slots(request, num_new, computed_blocks, use_watermark):
                 break
             self.waiting.pop()
             request.set_status(RequestStatus.RUNNING)
@@ -196,7 +195,7 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
                 out.first_scheduled.append(request)
-            self.running.append(request)
+            bisect.insort(self.running, request, key=self.waiting.key)
             out.scheduled.append((request, num_new))
             budget -= num_new
         return out

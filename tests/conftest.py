@@ -37,3 +37,11 @@ def tiny_llama_with_tokenizer(tmp_path_factory: pytest.TempPathFactory, smollm2_
         tokenizer_from=smollm2_dir,
         tie_word_embeddings=True,
     )
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir: Path):
+    """SmolLM2's tokenizer (fast, byte-level BPE)."""
+    from engine.model.loader import load_tokenizer
+
+    return load_tokenizer(smollm2_dir)

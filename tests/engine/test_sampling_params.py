@@ -1,0 +1,56 @@
+"""SamplingParams validation: every bad value raises a ValueError that names its field."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("max_tokens", 1.5),
+        ("max_tokens", True),
+        ("min_tokens", -1),
+        ("temperature", -0.1),
+        ("temperature", 101.0),
+        ("temperature", "hot"),
+        ("top_p", 0.0),
+        ("top_p", -0.5),
+        ("top_p", 1.01),
+        ("top_k", 2.5),
+        ("seed", "seven"),
+        ("logprobs", -1),
+        ("logprobs", MAX_LOGPROBS + 1),
+        ("stop", [""]),
+        ("stop", ["ok", 3]),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", ["a"]),
+    ],
+)
+def test_bad_values_name_their_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_may_not_exceed_max_tokens():
+    with pytest.raises(ValueError, match="^min_tokens:"):
+        SamplingParams(max_tokens=3, min_tokens=4)
+    assert SamplingParams(max_tokens=3, min_tokens=3).min_tokens == 3
+
+
+def test_stop_is_normalised_to_a_list():
+    assert SamplingParams(stop="###").stop_strings == ["###"]
+    assert SamplingParams(stop=("a", "b")).stop_strings == ["a", "b"]
+    assert SamplingParams().stop_strings == []
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == []  # type: ignore[arg-type]
+
+
+def test_greedy_and_edges():
+    assert SamplingParams(temperature=0.0).greedy
+    assert not SamplingParams(temperature=0.7).greedy
+    params = SamplingParams(top_p=1.0, top_k=-1, logprobs=MAX_LOGPROBS, seed=0, temperature=100)
+    assert params.top_p == 1.0 and params.logprobs == MAX_LOGPROBS
