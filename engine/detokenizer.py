@@ -15,6 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 
+_CONTEXT_TOKENS = 6
+
+
 class IncrementalDetokenizer:
     def __init__(
         self,
@@ -22,6 +25,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        prompt_token_ids: list[int] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -31,14 +35,17 @@ class IncrementalDetokenizer:
         self.text = ""
         self.emitted = 0
         self._stream = None
-        self._ids: list[int] = []
+        # The last prompt tokens give the first generated token its context: SentencePiece
+        # tokenizers decode a leading space differently at the start of a text.
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:]) if prompt_token_ids else []
+        self._ids: list[int] = list(context)
         self._backend = getattr(tokenizer, "backend_tokenizer", None) if tokenizer else None
         if self._backend is not None:
             from tokenizers.decoders import DecodeStream
 
-            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            self._stream = DecodeStream(ids=context or None, skip_special_tokens=skip_special_tokens)
         self._fallback_prefix = 0
-        self._fallback_read = 0
+        self._fallback_read = len(context)
 
     def append(self, token_id: int, check_stop: bool = True) -> str | None:
         """Add one generated token. Returns the stop string it completed, if any (``text`` is then

@@ -231,6 +231,7 @@ class LLMEngine:
                 params.skip_special_tokens,
                 params.stop_strings,
                 params.include_stop_str_in_output,
+                prompt_token_ids=token_ids,
             )
         request = Request(
             request_id,

@@ -54,6 +54,18 @@ def test_deltas_concatenate_to_the_full_decode(tok, smollm2_tokenizer, text):
     assert all("\ufffd" not in d for d in deltas)
 
 
+@pytest.mark.parametrize("text", TEXTS)
+def test_prompt_context_changes_nothing_but_the_start(tok, smollm2_tokenizer, text):
+    """With the prompt's last tokens as context, only what the output adds is returned, even when
+    the prompt ends inside a multi-byte character."""
+    prompt = smollm2_tokenizer.encode("Some context: 🎉", add_special_tokens=False)
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt_token_ids=prompt)
+    deltas, _ = stream(detok, ids)
+    full = smollm2_tokenizer.decode(prompt + ids)
+    assert "".join(deltas) == full[len(smollm2_tokenizer.decode(prompt)) :] == text
+
+
 def test_multibyte_characters_are_split_across_tokens(smollm2_tokenizer):
     """The texts above really exercise the buffering: some tokens carry partial characters."""
     partial = 0
