@@ -97,7 +97,7 @@ def running_service(
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        ray_bin = Path(sys.executable).with_name("ray")
-        subprocess.run([str(ray_bin), "stop", "--force"], env=env, capture_output=True)
+        # `serve run` started its own local cluster, which ends with it: no `ray stop`, which
+        # would also kill every other Ray cluster on the machine.
         log.close()
         os.unlink(path)
