@@ -61,9 +61,7 @@ class Sampler:
                     top = list(
                         zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist(), strict=True)
                     )
-                out_logprobs[i] = TokenLogprobs(
-                    token_list[i], float(lp[row, token_list[i]]), top
-                )
+                out_logprobs[i] = TokenLogprobs(token_list[i], float(lp[row, token_list[i]]), top)
         return SamplerOutput(token_list, out_logprobs)
 
     @staticmethod
@@ -91,7 +89,9 @@ class Sampler:
     ) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         greedy_tokens = logits.argmax(dim=-1)
-        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])
+        temps = torch.tensor(
+            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+        )
         x = logits / temps[:, None]
 
         vocab = x.shape[1]

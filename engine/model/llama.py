@@ -50,9 +50,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(
-        self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
         self.cfg = cfg
         self.backend = backend
