@@ -55,25 +55,17 @@ class EngineConfig:
         if self.num_kv_blocks is not None and (
             not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks <= 0
         ):
-            raise ValueError(
-                f"num_kv_blocks: must be a positive integer, got {self.num_kv_blocks!r}"
-            )
+            raise ValueError(f"num_kv_blocks: must be a positive integer, got {self.num_kv_blocks!r}")
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len <= 0
         ):
-            raise ValueError(
-                f"max_model_len: must be a positive integer, got {self.max_model_len!r}"
-            )
+            raise ValueError(f"max_model_len: must be a positive integer, got {self.max_model_len!r}")
         if self.kv_cache_memory_gb <= 0:
-            raise ValueError(
-                f"kv_cache_memory_gb: must be positive, got {self.kv_cache_memory_gb!r}"
-            )
+            raise ValueError(f"kv_cache_memory_gb: must be positive, got {self.kv_cache_memory_gb!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark: must be in [0, 1), got {self.watermark!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
-            )
+            raise ValueError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
