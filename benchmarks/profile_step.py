@@ -10,6 +10,7 @@ torch.profiler's table of the costliest ops over those steps.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import time
@@ -37,7 +38,10 @@ def main(argv: list[str] | None = None) -> None:
     extra = {}
     for opt in args.engine_opt:
         key, _, value = opt.partition("=")
-        extra[key] = int(value) if value.isdigit() else value
+        try:
+            extra[key] = json.loads(value)
+        except json.JSONDecodeError:
+            extra[key] = value
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False, **extra)
     engine = llm.engine
     rng = random.Random(0)

@@ -1,4 +1,5 @@
-"""An optional native (C, OpenMP) paged decode-attention kernel, loaded through ctypes.
+"""Optional native (C, OpenMP) kernels, loaded through ctypes: paged decode attention and a
+row-wise argmax for greedy sampling.
 
 The kernel is compiled on first use with the system C compiler (``$CC`` or ``cc``) into the cache
 directory, keyed by a hash of its source, the compiler flags and the CPU, so a process builds it
@@ -114,7 +115,41 @@ def load() -> ctypes.CDLL | None:
         ctypes.c_int,  # dtype
         ctypes.c_int,  # num_threads
     ]
+    am = lib.argmax_rows
+    am.restype = None
+    am.argtypes = [
+        ctypes.c_void_p,  # x
+        ctypes.c_int64,  # rows
+        ctypes.c_int64,  # cols
+        ctypes.c_int64,  # row stride
+        ctypes.c_int,  # dtype
+        ctypes.c_void_p,  # out (int64)
+        ctypes.c_int,  # num_threads
+    ]
     return lib
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for a 2-D float32/bfloat16 CPU tensor without NaN: one pass over the
+    row for the maximum and a short scan for its first index (torch's argmax tracks indices in
+    its reduction and is several times slower on ``[64, 49152]``). Falls back to torch."""
+    lib = load()
+    code = DTYPE_CODES.get(x.dtype)
+    if lib is None or code is None or x.dim() != 2 or x.device.type != "cpu" or x.stride(1) != 1:
+        return x.argmax(dim=-1)
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.argmax_rows(
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        x.stride(0),
+        code,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out
 
 
 def available() -> bool:

@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.model.config import ModelConfig
+from engine.model.linear import linear, pack_weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,6 +28,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+LINEAR_WEIGHTS = ("qkv", "o", "gate_up", "down")
 
 
 class DecoderLayer(nn.Module):
@@ -47,6 +51,8 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = param(2 * cfg.intermediate_size) if cfg.mlp_bias else None
         self.down = param(h, cfg.intermediate_size)
         self.down_bias = param(h) if cfg.mlp_bias else None
+        # oneDNN-packed copies of the weights (plain attributes, not parameters), or None.
+        self.packed: dict[str, torch.Tensor | None] = dict.fromkeys(LINEAR_WEIGHTS)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -67,6 +73,7 @@ class LlamaForCausalLM(nn.Module):
             )
         )
         self.scale = cfg.head_dim**-0.5
+        self.lm_head_packed: torch.Tensor | None = None
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
@@ -89,26 +96,46 @@ class LlamaForCausalLM(nn.Module):
         t = x.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            packed = layer.packed
+            qkv = linear(h, layer.qkv, layer.qkv_bias, packed["qkv"])
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
             attn = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-            x = x + F.linear(attn.reshape(t, cfg.q_size), layer.o, layer.o_bias)
+            x = x + linear(attn.reshape(t, cfg.q_size), layer.o, layer.o_bias, packed["o"])
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            gate_up = linear(h, layer.gate_up, layer.gate_up_bias, packed["gate_up"])
+            gate, up = gate_up.chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.down, layer.down_bias, packed["down"])
         return rms_norm(x, self.norm, cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        """Logits in the model's dtype (the sampler converts when it needs float32)."""
+        return linear(hidden, self.lm_head, None, self.lm_head_packed)
+
+    @torch.no_grad()
+    def prepack_linear_weights(self) -> bool:
+        """Pack every linear weight for oneDNN (bf16 on CPU). Call after loading weights and
+        moving the model; returns whether packing is in use. The original parameters stay (the
+        embedding shares the LM head's weight; reloading weights needs them) and are what
+        non-bf16 inputs use."""
+        self.lm_head_packed = pack_weight(self.lm_head)
+        if self.lm_head_packed is None:
+            return False
+        for layer in self.layers:
+            layer.packed = {name: pack_weight(getattr(layer, name)) for name in LINEAR_WEIGHTS}
+        return True
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy a Hugging Face Llama/Qwen2 state dict in, fusing q/k/v and gate/up."""
         cfg = self.cfg
+        # Packed copies would go stale: drop them (prepack again after loading).
+        self.lm_head_packed = None
+        for layer in self.layers:
+            layer.packed = dict.fromkeys(LINEAR_WEIGHTS)
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:

@@ -134,3 +134,43 @@ def test_without_compiler_native_is_unavailable(monkeypatch, tmp_path):
         assert native.load() is None
     finally:
         native.load.cache_clear()
+
+
+def _greedy_requests(n: int, **params) -> list:
+    from engine.request import Request
+
+    sp = SamplingParams(max_tokens=8, temperature=0.0, **params)
+    return [Request(str(i), [1, 2, 3], sp, eos_token_ids=frozenset({2})) for i in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_fast_path_matches_float32_argmax(dtype):
+    from engine.sampler import Sampler
+
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(9, 1000, generator=gen).to(dtype)
+    logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # a tie: the first index wins
+    logits[5, :] = float("-inf")
+    logits[5, 999] = 0.0
+    requests = _greedy_requests(9, ignore_eos=True)
+    assert Sampler._plain_greedy(requests)
+    out = Sampler()(logits, requests)
+    assert out.token_ids == logits.float().argmax(dim=-1).tolist()
+    assert out.token_ids[3] == 10 and out.token_ids[5] == 999
+    assert (
+        native.argmax_rows(logits[:, :500]).tolist() == logits[:, :500].float().argmax(-1).tolist()
+    )
+
+
+def test_greedy_fast_path_yields_to_min_tokens_and_logprobs():
+    from engine.sampler import Sampler
+
+    logits = torch.zeros(2, 10)
+    logits[:, 2] = 5.0  # EOS is the argmax
+    banned = _greedy_requests(2, min_tokens=3)
+    assert not Sampler._plain_greedy(banned)
+    assert 2 not in Sampler()(logits, banned).token_ids
+    with_logprobs = _greedy_requests(2, logprobs=1, ignore_eos=True)
+    assert not Sampler._plain_greedy(with_logprobs)
+    out = Sampler()(logits, with_logprobs)
+    assert out.token_ids == [2, 2] and out.logprobs[0] is not None
