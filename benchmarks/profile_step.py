@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--no-fused", action="store_true", help="reference elementwise ops")
     ap.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     if args.threads:
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
             extra[key] = value
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False, **extra)
     engine = llm.engine
+    engine.model.use_fused = not args.no_fused
     rng = random.Random(0)
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     for i in range(args.batch):

@@ -29,7 +29,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "paged_attention.c", CSRC / "fused_ops.c")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
@@ -52,19 +53,19 @@ def _cache_dir() -> Path:
 
 
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(
         source + " ".join([compiler, *CFLAGS]).encode() + _cpu_signature().encode()
     ).hexdigest()[:16]
-    out = _cache_dir() / f"paged_attention-{key}.so"
+    out = _cache_dir() / f"prefixserve_kernels-{key}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".paged_attention-", suffix=".so", dir=out.parent)
+    fd, tmp = tempfile.mkstemp(prefix=".prefixserve_kernels-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            [compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             timeout=120,
@@ -126,6 +127,25 @@ def load() -> ctypes.CDLL | None:
         ctypes.c_void_p,  # out (int64)
         ctypes.c_int,  # num_threads
     ]
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.add_rms_norm_bf16.restype = None
+    lib.add_rms_norm_bf16.argtypes = [
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ctypes.c_float,
+        i32,
+    ]
+    lib.rope_bf16.restype = None
+    lib.rope_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+    lib.silu_mul_bf16.restype = None
+    lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64, i64, i64, i32]
     return lib
 
 

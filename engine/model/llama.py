@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.model import fused
 from engine.model.config import ModelConfig
 from engine.model.linear import linear, pack_weight
 
@@ -74,6 +75,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self.scale = cfg.head_dim**-0.5
         self.lm_head_packed: torch.Tensor | None = None
+        # Fused native elementwise kernels for bf16 on CPU (engine.model.fused); a switch so
+        # tests can compare against the reference ops.
+        self.use_fused = True
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
@@ -88,6 +92,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Returns the final hidden states ``[T, hidden]`` (normed)."""
+        if self.use_fused and fused.enabled(self.embed):
+            return self._forward_fused(input_ids, positions, kv_caches, meta)
         cfg = self.cfg
         x = F.embedding(input_ids, self.embed)
         dtype = x.dtype
@@ -109,6 +115,43 @@ class LlamaForCausalLM(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, layer.down, layer.down_bias, packed["down"])
         return rms_norm(x, self.norm, cfg.rms_norm_eps)
+
+    def _forward_fused(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``forward`` with the elementwise ops fused (bf16 on CPU): each residual add is folded
+        into the next RMSNorm, RoPE rotates q and k in place inside the qkv output."""
+        cfg = self.cfg
+        eps, q_size, kv_size = cfg.rms_norm_eps, cfg.q_size, cfg.kv_size
+        x = F.embedding(input_ids, self.embed)
+        t = x.shape[0]
+        positions = positions.contiguous()
+        delta: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            packed = layer.packed
+            h = fused.add_rms_norm(x, delta, layer.input_norm, eps)
+            qkv = linear(h, layer.qkv, layer.qkv_bias, packed["qkv"])
+            fused.rope_(
+                qkv,
+                positions,
+                self.rope_cos,
+                self.rope_sin,
+                cfg.num_heads + cfg.num_kv_heads,
+                cfg.head_dim,
+            )
+            q = qkv[:, :q_size].view(t, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, q_size + kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+            attn = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+            o = linear(attn.reshape(t, q_size), layer.o, layer.o_bias, packed["o"])
+            h = fused.add_rms_norm(x, o, layer.post_norm, eps)
+            gate_up = linear(h, layer.gate_up, layer.gate_up_bias, packed["gate_up"])
+            delta = linear(fused.silu_mul(gate_up), layer.down, layer.down_bias, packed["down"])
+        return fused.add_rms_norm(x, delta, self.norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype (the sampler converts when it needs float32)."""

@@ -174,3 +174,59 @@ def test_greedy_fast_path_yields_to_min_tokens_and_logprobs():
     assert not Sampler._plain_greedy(with_logprobs)
     out = Sampler()(logits, with_logprobs)
     assert out.token_ids == [2, 2] and out.logprobs[0] is not None
+
+
+@needs_compiler
+def test_fused_elementwise_ops_match_reference_ops():
+    from engine.model import fused
+    from engine.model.llama import apply_rope, rms_norm
+
+    gen = torch.Generator().manual_seed(5)
+    bf = torch.bfloat16
+    x = (torch.randn(7, 64, generator=gen) * 3).to(bf)
+    res = torch.randn(7, 64, generator=gen).to(bf)
+    w = torch.randn(64, generator=gen).to(bf)
+    assert fused.enabled(x)
+
+    expected_sum = x + res
+    expected = rms_norm(expected_sum, w, 1e-5)
+    got = fused.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(x, expected_sum)  # the residual add happened in place
+    torch.testing.assert_close(got, expected, atol=0, rtol=1e-2)  # at most one bf16 ulp
+    assert (got != expected).float().mean() < 0.05
+
+    heads, kv_heads, dim = 4, 2, 16
+    qkv = torch.randn(7, (heads + 2 * kv_heads) * dim, generator=gen).to(bf)
+    positions = torch.tensor([0, 1, 5, 9, 100, 3, 2])
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.arange(128).float()[:, None] * inv[None, :]
+    cos_t, sin_t = freqs.cos(), freqs.sin()
+    cos, sin = cos_t[positions].to(bf).unsqueeze(1), sin_t[positions].to(bf).unsqueeze(1)
+    q_ref = apply_rope(qkv[:, : heads * dim].view(7, heads, dim), cos, sin)
+    k_ref = apply_rope(
+        qkv[:, heads * dim : (heads + kv_heads) * dim].view(7, kv_heads, dim), cos, sin
+    )
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+    fused.rope_(qkv, positions, cos_t, sin_t, heads + kv_heads, dim)
+    assert torch.equal(qkv[:, : heads * dim].view(7, heads, dim), q_ref)
+    assert torch.equal(qkv[:, heads * dim : (heads + kv_heads) * dim].view(7, kv_heads, dim), k_ref)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)
+
+    gate_up = (torch.randn(7, 2 * 48, generator=gen) * 4).to(bf)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    got = fused.silu_mul(gate_up)
+    torch.testing.assert_close(got, expected, atol=0, rtol=1e-2)
+
+
+@needs_compiler
+def test_fused_forward_generates_like_reference_forward(tiny_llama):
+    prompts = [[5, 9, 200, 7] * k for k in (1, 5, 11)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(tiny_llama), dtype="bfloat16", max_num_batched_tokens=16)
+    model = llm.engine.model
+    outs = {}
+    for use_fused in (True, False):
+        model.use_fused = use_fused
+        outs[use_fused] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert [o[:6] for o in outs[True]] == [o[:6] for o in outs[False]]
