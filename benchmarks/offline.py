@@ -32,6 +32,9 @@ class Timing:
 
     tokens: int
     seconds: list[float] = field(default_factory=list)
+    # CPU seconds of this process per repeat: less sensitive than wall time to other processes
+    # on a shared machine (threads spinning at barriers still count).
+    cpu_seconds: list[float] = field(default_factory=list)
 
     @property
     def best_tps(self) -> float:
@@ -46,6 +49,9 @@ class Timing:
             "tok_s_best": round(self.best_tps, 1),
             "tok_s_median": round(self.median_tps, 1),
             "seconds": [round(s, 3) for s in self.seconds],
+            "tok_per_cpu_s_best": round(self.tokens / min(self.cpu_seconds), 1)
+            if self.cpu_seconds
+            else None,
         }
 
 
@@ -68,9 +74,10 @@ def run_ours(llm: Any, workload: wl.Workload, repeat: int) -> Timing:
     params = greedy(workload.max_tokens)
     for _ in range(repeat):
         reset_prefix_cache(llm)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         outs = llm.generate(workload.prompts, params)
         timing.seconds.append(time.perf_counter() - start)
+        timing.cpu_seconds.append(time.process_time() - cpu)
         produced = sum(len(o.token_ids) for o in outs)
         if produced != workload.num_output_tokens:
             raise RuntimeError(f"expected {workload.num_output_tokens} tokens, got {produced}")
@@ -132,7 +139,7 @@ def run_hf(
             pad_token_id=pad,
         )
         for _ in range(repeat):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             produced = 0
             for ids, mask in batches:
                 out = model.generate(
@@ -145,6 +152,7 @@ def run_hf(
                 )
                 produced += (out.shape[1] - ids.shape[1]) * ids.shape[0]
             timing.seconds.append(time.perf_counter() - start)
+            timing.cpu_seconds.append(time.process_time() - cpu)
             if produced != workload.num_output_tokens:
                 raise RuntimeError(f"transformers produced {produced} tokens")
     return timing
@@ -185,7 +193,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_dir = str(resolve_model(args.model))
     dtypes = ["bfloat16", "float32"] if args.dtype == "both" else [args.dtype]
     workloads = ["w1", "batch1", "w2"] if args.workload == "all" else [args.workload]
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
     results: dict[str, Any] = {
+        "loadavg_start": load,
         "model": args.model,
         "threads": torch.get_num_threads(),
         "num_prompts": args.num_prompts,
