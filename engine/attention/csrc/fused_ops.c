@@ -1,11 +1,16 @@
 /* Fused bfloat16 elementwise ops of a Llama layer, each one pass over its rows. Every step
  * rounds to bfloat16 where PyTorch's eager bf16 ops would (each op computes in float32 and
  * rounds its result), so results match the unfused ops up to float32 reduction order.
- * Rows are split across OpenMP threads.
+ * Rows are split across OpenMP threads only when there is enough work (PARALLEL_MIN elements):
+ * at decode batch sizes a pass takes microseconds, less than a parallel region's fork and
+ * barrier, and on a shared machine a barrier can wait a whole time slice for a descheduled
+ * thread.
  */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#define PARALLEL_MIN (1 << 18)
 
 static inline float bf(uint16_t x) {
     union { uint32_t u; float f; } v;
@@ -27,7 +32,7 @@ static inline float round_bf(float f) { return bf(to_bf(f)); }
 void add_rms_norm_bf16(uint16_t *x, const uint16_t *residual, const uint16_t *weight,
                        uint16_t *out, int64_t rows, int64_t dim, int64_t x_stride,
                        int64_t res_stride, int64_t out_stride, float eps, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if(rows * dim >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *xr = x + r * x_stride;
         if (residual != NULL) {
@@ -52,7 +57,7 @@ void rope_bf16(uint16_t *x, const int64_t *positions, const float *cos_table,
                const float *sin_table, int64_t rows, int64_t heads, int64_t head_dim,
                int64_t x_stride, int num_threads) {
     const int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if(rows * heads * head_dim >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const float *ct = cos_table + positions[r] * half;
         const float *st = sin_table + positions[r] * half;
@@ -75,7 +80,7 @@ void rope_bf16(uint16_t *x, const int64_t *positions, const float *cos_table,
 /* out = bf16(silu(gate)) * up, with gate_up rows [gate (inter) | up (inter)]. */
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter,
                    int64_t in_stride, int64_t out_stride, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if(rows * inter >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = gate_up + r * in_stride;
         const uint16_t *u = g + inter;

@@ -212,7 +212,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
  * not defined here; callers keep torch.argmax where NaN matters). dtype as above. */
 void argmax_rows(const void *x, int64_t rows, int64_t cols, int64_t stride, int dtype,
                  int64_t *out, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if(rows * cols >= (1 << 18))
     for (int64_t r = 0; r < rows; r++) {
         int64_t best = 0;
         if (dtype == 1) {
