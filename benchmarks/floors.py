@@ -18,7 +18,6 @@ import json
 import time
 
 import torch
-import torch.nn.functional as F
 
 from engine.model.linear import linear, pack_weight
 
