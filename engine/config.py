@@ -8,7 +8,7 @@ from typing import Literal
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "priority"]
-AttentionBackendName = Literal["auto", "torch", "flash"]
+AttentionBackendName = Literal["auto", "torch", "cpu", "flash"]
 Device = Literal["auto", "cpu", "cuda"]
 
 
@@ -37,6 +37,8 @@ class EngineConfig:
     watermark: float = 0.01
     attention_backend: AttentionBackendName = "auto"
     num_threads: int | None = None
+    # Pack linear weights once for oneDNN when running bf16 on CPU (falls back to F.linear).
+    prepack_weights: bool = True
     seed: int = 0
     # Salt of the chained block hashes; defaults to the resolved model name, so that two models'
     # hashes never collide in a router or a shared KV directory.
@@ -78,9 +80,10 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy: must be fcfs or priority, got {self.scheduling_policy!r}"
             )
-        if self.attention_backend not in ("auto", "torch", "flash"):
+        if self.attention_backend not in ("auto", "torch", "cpu", "flash"):
             raise ValueError(
-                f"attention_backend: must be auto, torch or flash, got {self.attention_backend!r}"
+                "attention_backend: must be auto, torch, cpu or flash, "
+                f"got {self.attention_backend!r}"
             )
 
     def replace(self, **changes: object) -> EngineConfig:

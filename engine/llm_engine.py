@@ -125,6 +125,8 @@ class LLMEngine:
         cos, sin = rope_cos_sin(inv_freq, scaling, self.max_model_len)
         model.set_rope_tables(cos, sin)
         model.to(self.device)
+        if config.prepack_weights:
+            model.prepack_linear_weights()
         self.model = model.eval()
 
         num_blocks = config.num_kv_blocks or self._blocks_for_memory()

@@ -93,9 +93,7 @@ class ModelRunner:
         qlens = torch.tensor([s.num_new_tokens for s in seqs], dtype=torch.int64)
         seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), qlens)
         qsl_t = torch.tensor(qsl, dtype=torch.int64)
-        positions = (
-            torch.arange(num_tokens) - qsl_t[:-1][seq_idx] + torch.tensor(starts)[seq_idx]
-        )
+        positions = torch.arange(num_tokens) - qsl_t[:-1][seq_idx] + torch.tensor(starts)[seq_idx]
         slots = tables[seq_idx, positions // self.block_size] * self.block_size + (
             positions % self.block_size
         )
@@ -139,7 +137,10 @@ class ModelRunner:
         """KV of the given blocks as one tensor ``[layers, 2, n, block_size, kv_heads, dim]``."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         return torch.stack(
-            [torch.stack((k.index_select(0, idx), v.index_select(0, idx))) for k, v in self.kv_caches]
+            [
+                torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
+                for k, v in self.kv_caches
+            ]
         )
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention import native
 from engine.request import Request
 
 
@@ -33,7 +34,12 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """``logits [S, V]`` (float32), one row per request, in the same order."""
+        """``logits [S, V]`` (any float dtype), one row per request, in the same order."""
+        if self._plain_greedy(requests) and logits.device.type == "cpu":
+            # Greedy without logprobs or banned tokens: the argmax of the model-dtype logits is
+            # the argmax of their float32 copy (the conversion is exact), so skip the copy.
+            tokens = native.argmax_rows(logits)
+            return SamplerOutput(tokens.tolist(), [None] * len(requests))
         logits = logits.float()
         if logits.device.type != "cpu":
             logits = logits.cpu()
@@ -60,6 +66,16 @@ class Sampler:
                     )
                 out_logprobs[i] = TokenLogprobs(token_list[i], float(lp[row, token_list[i]]), top)
         return SamplerOutput(token_list, out_logprobs)
+
+    @staticmethod
+    def _plain_greedy(requests: list[Request]) -> bool:
+        for r in requests:
+            p = r.sampling_params
+            if not p.greedy or p.logprobs is not None:
+                return False
+            if r.num_output_tokens < p.min_tokens and (p.stop_token_ids or not p.ignore_eos):
+                return False
+        return True
 
     @staticmethod
     def _suppress_stops(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -74,10 +74,30 @@ def flash_available(device: torch.device) -> bool:
     return True
 
 
+def native_cpu_available(device: torch.device) -> bool:
+    if device.type != "cpu":
+        return False
+    from engine.attention import native
+
+    return native.available()
+
+
 def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """``auto`` picks flash-attention on CUDA when ``vllm_flash_attn`` imports, else torch."""
+    """``auto`` picks flash-attention on CUDA when ``vllm_flash_attn`` imports; on CPU the native
+    paged decode kernel when it builds (``cpu``); else the pure-PyTorch ``torch`` backend."""
     if name == "auto":
-        name = "flash" if flash_available(device) and dtype != torch.float32 else "torch"
+        if flash_available(device) and dtype != torch.float32:
+            name = "flash"
+        elif native_cpu_available(device):
+            name = "cpu"
+        else:
+            name = "torch"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("attention_backend: cpu runs on the CPU device only")
+        from engine.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     if name == "flash":
         if not flash_available(device):
             raise ValueError("attention_backend: flash needs a CUDA device and vllm-flash-attn")

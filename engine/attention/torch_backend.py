@@ -40,27 +40,57 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-        num_heads = q.shape[1]
-        group = num_heads // num_kv_heads
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
         flat_k.index_copy_(0, meta.slot_mapping, k)
         flat_v.index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            tables = meta.extra["decode_block_tables"]
-            span = tables.shape[1] * block_size
-            kk = k_cache[tables].view(nd, span, num_kv_heads, head_dim).transpose(1, 2)
-            vv = v_cache[tables].view(nd, span, num_kv_heads, head_dim).transpose(1, 2)
-            qq = q[:nd].view(nd, num_kv_heads, group, head_dim)
-            o = F.scaled_dot_product_attention(
-                qq, kk, vv, attn_mask=meta.extra["decode_mask"], scale=scale
-            )
-            out[:nd] = o.reshape(nd, num_heads, head_dim)
+        if meta.num_decodes:
+            self.decode_forward(q, k_cache, v_cache, meta, scale, out)
+        self.prefill_forward(q, k, v, k_cache, v_cache, meta, scale, out)
+        return out
 
+    def decode_forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Attention of the one-token decode sequences ``[0, num_decodes)`` into ``out``."""
+        block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+        num_heads = q.shape[1]
+        group = num_heads // num_kv_heads
+        nd = meta.num_decodes
+        tables = meta.extra["decode_block_tables"]
+        span = tables.shape[1] * block_size
+        kk = k_cache[tables].view(nd, span, num_kv_heads, head_dim).transpose(1, 2)
+        vv = v_cache[tables].view(nd, span, num_kv_heads, head_dim).transpose(1, 2)
+        qq = q[:nd].view(nd, num_kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(
+            qq, kk, vv, attn_mask=meta.extra["decode_mask"], scale=scale
+        )
+        out[:nd] = o.reshape(nd, num_heads, head_dim)
+
+    def prefill_forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Attention of the prefill sequences ``[num_decodes, num_seqs)`` into ``out``, one SDPA
+        call each (their K/V must already be in the cache)."""
+        block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+        nd = meta.num_decodes
         qsl = meta.query_start_loc_list
         for i in range(nd, meta.num_seqs):
             start, end = qsl[i], qsl[i + 1]
@@ -86,4 +116,3 @@ class TorchAttentionBackend(AttentionBackend):
                     qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
                 )
             out[start:end] = o.squeeze(0).transpose(0, 1)
-        return out

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.model import fused
 from engine.model.config import ModelConfig
+from engine.model.linear import linear, pack_weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,6 +29,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+LINEAR_WEIGHTS = ("qkv", "o", "gate_up", "down")
 
 
 class DecoderLayer(nn.Module):
@@ -47,12 +52,12 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = param(2 * cfg.intermediate_size) if cfg.mlp_bias else None
         self.down = param(h, cfg.intermediate_size)
         self.down_bias = param(h) if cfg.mlp_bias else None
+        # oneDNN-packed copies of the weights (plain attributes, not parameters), or None.
+        self.packed: dict[str, torch.Tensor | None] = dict.fromkeys(LINEAR_WEIGHTS)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(
-        self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
         self.cfg = cfg
         self.backend = backend
@@ -69,6 +74,10 @@ class LlamaForCausalLM(nn.Module):
             )
         )
         self.scale = cfg.head_dim**-0.5
+        self.lm_head_packed: torch.Tensor | None = None
+        # Fused native elementwise kernels for bf16 on CPU (engine.model.fused); a switch so
+        # tests can compare against the reference ops.
+        self.use_fused = True
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
@@ -83,6 +92,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Returns the final hidden states ``[T, hidden]`` (normed)."""
+        if self.use_fused and fused.enabled(self.embed):
+            return self._forward_fused(input_ids, positions, kv_caches, meta)
         cfg = self.cfg
         x = F.embedding(input_ids, self.embed)
         dtype = x.dtype
@@ -91,26 +102,83 @@ class LlamaForCausalLM(nn.Module):
         t = x.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            packed = layer.packed
+            qkv = linear(h, layer.qkv, layer.qkv_bias, packed["qkv"])
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
             attn = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-            x = x + F.linear(attn.reshape(t, cfg.q_size), layer.o, layer.o_bias)
+            x = x + linear(attn.reshape(t, cfg.q_size), layer.o, layer.o_bias, packed["o"])
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            gate_up = linear(h, layer.gate_up, layer.gate_up_bias, packed["gate_up"])
+            gate, up = gate_up.chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.down, layer.down_bias, packed["down"])
         return rms_norm(x, self.norm, cfg.rms_norm_eps)
 
+    def _forward_fused(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``forward`` with the elementwise ops fused (bf16 on CPU): each residual add is folded
+        into the next RMSNorm, RoPE rotates q and k in place inside the qkv output."""
+        cfg = self.cfg
+        eps, q_size, kv_size = cfg.rms_norm_eps, cfg.q_size, cfg.kv_size
+        x = F.embedding(input_ids, self.embed)
+        t = x.shape[0]
+        positions = positions.contiguous()
+        delta: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            packed = layer.packed
+            h = fused.add_rms_norm(x, delta, layer.input_norm, eps)
+            qkv = linear(h, layer.qkv, layer.qkv_bias, packed["qkv"])
+            fused.rope_(
+                qkv,
+                positions,
+                self.rope_cos,
+                self.rope_sin,
+                cfg.num_heads + cfg.num_kv_heads,
+                cfg.head_dim,
+            )
+            q = qkv[:, :q_size].view(t, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, q_size + kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+            attn = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+            o = linear(attn.reshape(t, q_size), layer.o, layer.o_bias, packed["o"])
+            h = fused.add_rms_norm(x, o, layer.post_norm, eps)
+            gate_up = linear(h, layer.gate_up, layer.gate_up_bias, packed["gate_up"])
+            delta = linear(fused.silu_mul(gate_up), layer.down, layer.down_bias, packed["down"])
+        return fused.add_rms_norm(x, delta, self.norm, eps)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        """Logits in the model's dtype (the sampler converts when it needs float32)."""
+        return linear(hidden, self.lm_head, None, self.lm_head_packed)
+
+    @torch.no_grad()
+    def prepack_linear_weights(self) -> bool:
+        """Pack every linear weight for oneDNN (bf16 on CPU). Call after loading weights and
+        moving the model; returns whether packing is in use. The original parameters stay (the
+        embedding shares the LM head's weight; reloading weights needs them) and are what
+        non-bf16 inputs use."""
+        self.lm_head_packed = pack_weight(self.lm_head)
+        if self.lm_head_packed is None:
+            return False
+        for layer in self.layers:
+            layer.packed = {name: pack_weight(getattr(layer, name)) for name in LINEAR_WEIGHTS}
+        return True
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy a Hugging Face Llama/Qwen2 state dict in, fusing q/k/v and gate/up."""
         cfg = self.cfg
+        # Packed copies would go stale: drop them (prepack again after loading).
+        self.lm_head_packed = None
+        for layer in self.layers:
+            layer.packed = dict.fromkeys(LINEAR_WEIGHTS)
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:

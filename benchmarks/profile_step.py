@@ -1,0 +1,84 @@
+"""Where the time of one engine step goes: decode steps at a given batch size.
+
+    python -m benchmarks.profile_step --dtype bfloat16 --batch 64 --context 160
+
+Admits ``--batch`` requests of ``--context`` tokens, runs their prefills, then times ``--steps``
+all-decode steps (wall clock per step: scheduling + model + sampling + bookkeeping) and prints
+torch.profiler's table of the costliest ops over those steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from engine import LLM, SamplingParams
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=160)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--no-fused", action="store_true", help="reference elementwise ops")
+    ap.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    extra = {}
+    for opt in args.engine_opt:
+        key, _, value = opt.partition("=")
+        try:
+            extra[key] = json.loads(value)
+        except json.JSONDecodeError:
+            extra[key] = value
+    llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False, **extra)
+    engine = llm.engine
+    engine.model.use_fused = not args.no_fused
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(str(i), [rng.randrange(100, 49152) for _ in range(args.context)], params)
+    start = time.perf_counter()
+    while any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()
+    ):
+        engine.step()
+    print(f"prefill of {args.batch}x{args.context} tokens: {time.perf_counter() - start:.2f} s")
+    for _ in range(3):
+        engine.step()
+
+    times, cpu = [], []
+    for _ in range(args.steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    med = statistics.median(times)
+    # CPU time is less sensitive than wall time to other processes sharing the cores.
+    print(
+        f"decode step, batch {args.batch}: wall best {min(times) * 1e3:.1f} ms, median "
+        f"{med * 1e3:.1f} ms -> {args.batch / med:.0f} tok/s; cpu best {min(cpu) * 1e3:.1f} ms, "
+        f"median {statistics.median(cpu) * 1e3:.1f} ms (threads={torch.get_num_threads()})"
+    )
+    if args.no_profile:
+        return
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()

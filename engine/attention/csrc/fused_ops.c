@@ -1,0 +1,95 @@
+/* Fused bfloat16 elementwise ops of a Llama layer, each one pass over its rows. Every step
+ * rounds to bfloat16 where PyTorch's eager bf16 ops would (each op computes in float32 and
+ * rounds its result), so results match the unfused ops up to float32 reduction order.
+ * Rows are split across OpenMP threads only when there is enough work (PARALLEL_MIN elements):
+ * at decode batch sizes a pass takes microseconds, less than a parallel region's fork and
+ * barrier, and on a shared machine a barrier can wait a whole time slice for a descheduled
+ * thread.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define PARALLEL_MIN (1 << 18)
+
+static inline float bf(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline uint16_t to_bf(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    v.u += 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)(v.u >> 16);
+}
+
+static inline float round_bf(float f) { return bf(to_bf(f)); }
+
+/* If residual != NULL: x <- x + residual (in place, bf16). Then
+ * out = weight * bf16(x * rsqrt(mean(x^2) + eps)), i.e. transformers' LlamaRMSNorm in bf16. */
+void add_rms_norm_bf16(uint16_t *x, const uint16_t *residual, const uint16_t *weight,
+                       uint16_t *out, int64_t rows, int64_t dim, int64_t x_stride,
+                       int64_t res_stride, int64_t out_stride, float eps, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if(rows * dim >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *xr = x + r * x_stride;
+        if (residual != NULL) {
+            const uint16_t *rr = residual + r * res_stride;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; d++) xr[d] = to_bf(bf(xr[d]) + bf(rr[d]));
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t d = 0; d < dim; d++) ss += bf(xr[d]) * bf(xr[d]);
+        const float scale = 1.0f / sqrtf(ss / (float)dim + eps);
+        uint16_t *o = out + r * out_stride;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) o[d] = to_bf(bf(weight[d]) * round_bf(bf(xr[d]) * scale));
+    }
+}
+
+/* Rotate-half RoPE in place on the first `heads` heads of each row of x (row stride x_stride;
+ * heads of head_dim contiguous). cos/sin are float32 tables [max_pos, head_dim / 2], rounded to
+ * bf16 first as the model does: out1 = x1*c - x2*s, out2 = x2*c + x1*s, every op in bf16. */
+void rope_bf16(uint16_t *x, const int64_t *positions, const float *cos_table,
+               const float *sin_table, int64_t rows, int64_t heads, int64_t head_dim,
+               int64_t x_stride, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if(rows * heads * head_dim >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *ct = cos_table + positions[r] * half;
+        const float *st = sin_table + positions[r] * half;
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *x1 = x + r * x_stride + h * head_dim;
+            uint16_t *x2 = x1 + half;
+#pragma omp simd
+            for (int64_t d = 0; d < half; d++) {
+                const float c = round_bf(ct[d]), s = round_bf(st[d]);
+                const float a = bf(x1[d]), b = bf(x2[d]);
+                const float o1 = round_bf(round_bf(a * c) - round_bf(b * s));
+                const float o2 = round_bf(round_bf(b * c) + round_bf(a * s));
+                x1[d] = to_bf(o1);
+                x2[d] = to_bf(o2);
+            }
+        }
+    }
+}
+
+/* out = bf16(silu(gate)) * up, with gate_up rows [gate (inter) | up (inter)]. */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter,
+                   int64_t in_stride, int64_t out_stride, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if(rows * inter >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * in_stride;
+        const uint16_t *u = g + inter;
+        uint16_t *o = out + r * out_stride;
+#pragma omp simd
+        for (int64_t d = 0; d < inter; d++) {
+            const float x = bf(g[d]);
+            const float s = round_bf(x / (1.0f + expf(-x)));
+            o[d] = to_bf(s * bf(u[d]));
+        }
+    }
+}

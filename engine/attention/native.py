@@ -1,0 +1,227 @@
+"""Optional native (C, OpenMP) kernels, loaded through ctypes: paged decode attention and a
+row-wise argmax for greedy sampling.
+
+The kernel is compiled on first use with the system C compiler (``$CC`` or ``cc``) into the cache
+directory, keyed by a hash of its source, the compiler flags and the CPU, so a process builds it
+at most once per machine (the build takes about a second and is atomic). Nothing here needs a
+Python build toolchain: no torch headers, no pybind11, no ninja. When no compiler is found, the
+build fails, or ``PREFIXSERVE_NATIVE_KERNELS=0``, :func:`load` returns None and callers use the
+pure-PyTorch path.
+
+The library links against the process's already-loaded ``libgomp`` (torch's), so its OpenMP
+threads are the ones torch uses and it runs with ``torch.get_num_threads()`` threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "paged_attention.c", CSRC / "fused_ops.c")
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
+
+
+def _cpu_signature() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    from engine.model.loader import cache_dir
+
+    return cache_dir() / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    source = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(
+        source + " ".join([compiler, *CFLAGS]).encode() + _cpu_signature().encode()
+    ).hexdigest()[:16]
+    out = _cache_dir() / f"prefixserve_kernels-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".prefixserve_kernels-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None when it is disabled or cannot be built."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    if platform.system() != "Linux":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        logger.info("no C compiler found: native attention kernel disabled")
+        return None
+    try:
+        path = _build(compiler)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        logger.warning("native attention kernel unavailable (%s) %s", exc, detail.decode()[-500:])
+        return None
+    fn = lib.paged_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [
+        ctypes.c_void_p,  # q
+        ctypes.c_void_p,  # k_cache
+        ctypes.c_void_p,  # v_cache
+        ctypes.c_void_p,  # block_tables
+        ctypes.c_void_p,  # seq_lens
+        ctypes.c_void_p,  # out
+        ctypes.c_int,  # num_seqs
+        ctypes.c_int,  # num_heads
+        ctypes.c_int,  # num_kv_heads
+        ctypes.c_int,  # head_dim
+        ctypes.c_int,  # block_size
+        ctypes.c_int64,  # bt_stride
+        ctypes.c_int64,  # q_stride
+        ctypes.c_int64,  # out_stride
+        ctypes.c_float,  # scale
+        ctypes.c_int,  # dtype
+        ctypes.c_int,  # num_threads
+    ]
+    am = lib.argmax_rows
+    am.restype = None
+    am.argtypes = [
+        ctypes.c_void_p,  # x
+        ctypes.c_int64,  # rows
+        ctypes.c_int64,  # cols
+        ctypes.c_int64,  # row stride
+        ctypes.c_int,  # dtype
+        ctypes.c_void_p,  # out (int64)
+        ctypes.c_int,  # num_threads
+    ]
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.add_rms_norm_bf16.restype = None
+    lib.add_rms_norm_bf16.argtypes = [
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ctypes.c_float,
+        i32,
+    ]
+    lib.rope_bf16.restype = None
+    lib.rope_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+    lib.silu_mul_bf16.restype = None
+    lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64, i64, i64, i32]
+    return lib
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for a 2-D float32/bfloat16 CPU tensor without NaN: one pass over the
+    row for the maximum and a short scan for its first index (torch's argmax tracks indices in
+    its reduction and is several times slower on ``[64, 49152]``). Falls back to torch."""
+    lib = load()
+    code = DTYPE_CODES.get(x.dtype)
+    if lib is None or code is None or x.dim() != 2 or x.device.type != "cpu" or x.stride(1) != 1:
+        return x.argmax(dim=-1)
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.argmax_rows(
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        x.stride(0),
+        code,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """Write into ``out [S, H, D]`` the attention of ``q [S, H, D]`` (one token per sequence)
+    over the first ``seq_lens[s]`` cached tokens of each sequence ``s``."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("native attention kernel is not available")
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    for name, t in (("q", q), ("out", out)):
+        if t.stride(2) != 1 or t.stride(1) != head_dim:
+            raise ValueError(f"{name}: heads and head_dim must be contiguous")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache/v_cache: must be contiguous")
+    if block_tables.dtype != torch.int64 or block_tables.stride(1) != 1:
+        raise ValueError("block_tables: must be int64 with contiguous rows")
+    if seq_lens.dtype != torch.int64 or not seq_lens.is_contiguous():
+        raise ValueError("seq_lens: must be a contiguous int64 tensor")
+    dtype = DTYPE_CODES.get(q.dtype)
+    if dtype is None or not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
+        raise ValueError(f"dtype: float32 or bfloat16 everywhere, got {q.dtype}")
+    rc = lib.paged_decode_attention(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        block_tables.stride(0),
+        q.stride(0),
+        out.stride(0),
+        scale,
+        dtype,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise MemoryError("paged_decode_attention: out of memory")
