@@ -3,6 +3,12 @@
 A replica's lifecycle: load the model, start the engine thread, then every second report health
 and metrics to the replica registry. Serve polls ``record_routing_stats`` for the request router
 and ``check_health`` to replace a replica whose engine loop died.
+
+Admission: a replica holds at most ``capacity`` requests (``max_num_seqs`` running plus
+``limits.max_waiting_per_replica`` waiting), counted from the moment ``generate`` starts, so
+requests still in transit to the engine thread or importing KV count too. Beyond it the request
+gets a 429 item at once. Serve's ``max_ongoing_requests`` on this deployment is set a little above
+``capacity`` (see ``deployments.app``) so that control calls (metrics, health) always get through.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
+from prometheus_client import Counter, Gauge
 from ray import serve
 
 from deployments.config import AppArgs
@@ -47,6 +54,30 @@ class EngineReplica:
         self.async_engine = AsyncEngine(self.engine)
         self.async_engine.start()
         self.metrics = ReplicaMetrics(self.replica_id)
+        self.num_admitted = 0
+        self.admitted_peak = 0
+        self.admitted_gauge = Gauge(
+            "prefixserve_replica_requests_admitted",
+            "Requests admitted to the engine replica and not yet finished (running, waiting, or in "
+            "transit to the engine thread).",
+            ["replica"],
+            registry=self.metrics.registry,
+        )
+        self.admitted_peak_gauge = Gauge(
+            "prefixserve_replica_requests_admitted_peak",
+            "Most requests the engine replica has held at once since it started.",
+            ["replica"],
+            registry=self.metrics.registry,
+        )
+        self.rejected = Counter(
+            "prefixserve_replica_requests_rejected",
+            "Requests the engine replica refused (429) because it held its limit.",
+            ["replica"],
+            registry=self.metrics.registry,
+        )
+        self._set_admitted(0)
+        self.admitted_peak_gauge.labels(replica=self.replica_id).set(0)
+        self.rejected.labels(replica=self.replica_id)
         self.coalesce_s = self.args.stream_interval_ms / 1000.0
         self._registry: Any = None
         self._reporter: asyncio.Task | None = None
@@ -62,22 +93,47 @@ class EngineReplica:
             )
 
     # -- serving ---------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int | None:
+        """Most requests this replica holds at once: the running batch plus the waiting bound
+        (None: unbounded). Requests in transit to the engine thread count against it."""
+        waiting = self.args.limits.max_waiting_per_replica
+        return self.args.engine.max_num_seqs + waiting if waiting else None
+
     async def generate(self, req: EngineRequest) -> AsyncIterator[dict[str, Any]]:
         """Stream dict items for one request (see ``_item``); an error is a single item with an
         ``error`` key, never an exception, so the ingress can map it to an HTTP status."""
         self._ensure_reporter()
-        limit = self.args.limits.max_waiting_per_replica
-        if limit and self.engine.scheduler.num_waiting >= limit:
+        capacity = self.capacity
+        # Checked and counted with no await in between: admission is atomic on the event loop.
+        if capacity is not None and self.num_admitted >= capacity:
+            self.rejected.labels(replica=self.replica_id).inc()
             yield error_item(
                 429,
-                "engine replica overloaded: too many queued requests",
+                f"engine replica overloaded: {self.num_admitted} requests admitted "
+                f"(limit {capacity})",
                 "overloaded_error",
                 "overloaded",
             )
             return
+        self._set_admitted(self.num_admitted + 1)
+        try:
+            async for item in self._generate(req):
+                yield item
+        finally:
+            self._set_admitted(self.num_admitted - 1)
+
+    def _set_admitted(self, n: int) -> None:
+        self.num_admitted = n
+        self.admitted_gauge.labels(replica=self.replica_id).set(n)
+        if n > self.admitted_peak:
+            self.admitted_peak = n
+            self.admitted_peak_gauge.labels(replica=self.replica_id).set(n)
+
+    async def _generate(self, req: EngineRequest) -> AsyncIterator[dict[str, Any]]:
         try:
             params = SamplingParams(**req.sampling)
-        except ValueError as e:
+        except (TypeError, ValueError) as e:
             yield error_item(400, str(e), "invalid_request_error")
             return
         arrival = time.monotonic()
@@ -113,7 +169,11 @@ class EngineReplica:
         except ValueError as e:
             yield error_item(400, str(e), "invalid_request_error")
         except EngineDeadError as e:
+            # The ingress retries on another replica when nothing has been streamed yet.
             yield error_item(503, str(e), "engine_error", "engine_dead")
+        except Exception as e:  # noqa: BLE001 - one request's failure must not look like a crash
+            logger.exception("request %s failed", req.request_id)
+            yield error_item(500, f"internal error: {type(e).__name__}", "internal_error")
         finally:
             await stream.aclose()
             if last is not None and last.finished and first_at is not None:

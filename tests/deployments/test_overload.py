@@ -1,0 +1,254 @@
+"""Overload: bounded queues, 429 + Retry-After beyond them, latency of admitted requests kept.
+
+The application gets a deliberately small capacity: two engine replicas of ``max_num_seqs=4``
+running plus ``max_waiting_per_replica=2`` waiting each, an ingress that admits 12 requests at
+once, and a proxy queue of 16. A burst of 10x that capacity must end with every request either
+answered in full or refused with 429, the bounds never exceeded, and the admitted requests'
+latency close to an unloaded system's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from ray import serve
+
+from deployments.engine_request import EngineRequest
+from tests.deployments.conftest import deploy, undeploy
+from tests.deployments.support import (
+    parse_metrics,
+    per_label,
+    percentile,
+    scrape,
+    serve_rss,
+    sse_payloads,
+    total,
+    wait_until_idle,
+)
+
+pytestmark = pytest.mark.ray
+
+MAX_NUM_SEQS = 4
+MAX_WAITING = 2
+REPLICAS = 2
+REPLICA_CAPACITY = MAX_NUM_SEQS + MAX_WAITING
+INGRESS_LIMIT = REPLICAS * REPLICA_CAPACITY
+TIMEOUT_S = 2.0
+OUTPUT_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_instance: str, tiny_llama_with_tokenizer: Path) -> Iterator[str]:
+    deploy(
+        serve_instance,
+        {
+            "model": str(tiny_llama_with_tokenizer),
+            "served_model_name": "tiny",
+            "engine": {"dtype": "float32", "num_kv_blocks": 256, "max_num_seqs": MAX_NUM_SEQS},
+            "limits": {
+                "max_waiting_per_replica": MAX_WAITING,
+                "max_ongoing_per_ingress": INGRESS_LIMIT,
+                "max_queued_at_proxy": 16,
+                "max_queued_for_engine": 4,
+                "max_tokens": 1000,
+                "request_timeout_s": TIMEOUT_S,
+            },
+            "stream_interval_ms": 5,
+        },
+        num_replicas=REPLICAS,
+    )
+    yield serve_instance
+    undeploy()
+
+
+def completion_body(rng: random.Random) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "prompt": [rng.randrange(3, 49000) for _ in range(24)],
+        "max_tokens": OUTPUT_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+
+async def timed_post(
+    client: httpx.AsyncClient, body: dict[str, Any]
+) -> tuple[httpx.Response, float]:
+    start = time.perf_counter()
+    r = await client.post("/v1/completions", json=body)
+    return r, time.perf_counter() - start
+
+
+async def sample_metrics(base_url: str, stop: asyncio.Event, out: list[dict[str, float]]) -> None:
+    """Scrape the queue gauges until ``stop``; a scrape refused under overload is skipped."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        while not stop.is_set():
+            r = await client.get("/metrics")
+            if r.status_code == 200:
+                m = parse_metrics(r.text)
+                out.append(
+                    {
+                        "waiting_max": max(
+                            per_label(m, "prefixserve_num_requests_waiting", "replica").values()
+                        ),
+                        "admitted_max": max(
+                            per_label(
+                                m, "prefixserve_replica_requests_admitted", "replica"
+                            ).values()
+                        ),
+                        "in_flight": total(m, "prefixserve_ingress_requests_in_flight"),
+                    }
+                )
+            await asyncio.sleep(0.2)
+
+
+def test_burst_of_10x_capacity_sheds_load(base_url: str) -> None:
+    rng = random.Random(1)
+
+    async def run() -> dict[str, Any]:
+        limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
+        async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as client:
+            for _ in range(4):  # warm up both replicas
+                r, _ = await timed_post(client, completion_body(rng))
+                assert r.status_code == 200, r.text
+            unloaded = []
+            for _ in range(30):
+                r, dt = await timed_post(client, completion_body(rng))
+                assert r.status_code == 200, r.text
+                unloaded.append(dt)
+            rss_before = serve_rss()
+            samples: list[dict[str, float]] = []
+            stop = asyncio.Event()
+            sampler = asyncio.create_task(sample_metrics(base_url, stop, samples))
+            results: list[tuple[httpx.Response, float]] = []
+            for _ in range(3):
+                burst = [completion_body(rng) for _ in range(10 * INGRESS_LIMIT)]
+                results += await asyncio.gather(*(timed_post(client, b) for b in burst))
+                await asyncio.sleep(1.0)
+            stop.set()
+            await sampler
+            return {
+                "unloaded": unloaded,
+                "results": results,
+                "samples": samples,
+                "rss": (rss_before, serve_rss()),
+            }
+
+    out = asyncio.run(run())
+    results, samples = out["results"], out["samples"]
+    statuses = [r.status_code for r, _ in results]
+    assert set(statuses) <= {200, 429}, sorted(set(statuses))
+    admitted = [(r, dt) for r, dt in results if r.status_code == 200]
+    rejected = [r for r, _ in results if r.status_code == 429]
+    for r, _ in admitted:
+        body = r.json()
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == OUTPUT_TOKENS
+    for r in rejected:
+        assert int(r.headers["retry-after"]) >= 1
+    # Refused by the ingress (OpenAI-style JSON) or by Serve's proxy queue (plain text).
+    json_rejections = [r for r in rejected if r.headers["content-type"] == "application/json"]
+    for r in json_rejections:
+        assert r.json()["error"]["type"] == "overloaded_error"
+    assert len(admitted) >= 3 * INGRESS_LIMIT // 2
+    assert json_rejections
+
+    m = scrape(base_url)
+    peaks = per_label(m, "prefixserve_replica_requests_admitted_peak", "replica")
+    ingress_peak = total(m, "prefixserve_ingress_requests_in_flight_peak")
+    assert len(peaks) == REPLICAS and max(peaks.values()) <= REPLICA_CAPACITY, peaks
+    assert 0 < ingress_peak <= INGRESS_LIMIT
+    assert samples, "no metrics scrape succeeded during the burst"
+    assert max(s["in_flight"] for s in samples) <= INGRESS_LIMIT
+    assert max(s["admitted_max"] for s in samples) <= REPLICA_CAPACITY
+    assert max(s["waiting_max"] for s in samples) <= REPLICA_CAPACITY
+
+    unloaded_p99 = percentile(out["unloaded"], 99)
+    admitted_p99 = percentile([dt for _, dt in admitted], 99)
+    rss_before, rss_after = out["rss"]
+    print(
+        f"\nburst: {len(results)} requests, {len(admitted)} admitted, {len(rejected)} refused "
+        f"({len(json_rejections)} by the ingress, {len(rejected) - len(json_rejections)} by the "
+        f"proxy queue); p99 unloaded {unloaded_p99 * 1000:.0f} ms, admitted under burst "
+        f"{admitted_p99 * 1000:.0f} ms (ratio {admitted_p99 / unloaded_p99:.2f}); peaks: "
+        f"replica admitted {dict(peaks)}, ingress in flight {ingress_peak:.0f}, "
+        f"scrapes {len(samples)}; serve RSS {rss_before / 2**20:.0f} -> "
+        f"{rss_after / 2**20:.0f} MiB"
+    )
+    assert admitted_p99 <= 2 * unloaded_p99
+    # Memory stays bounded: the burst leaves no lasting growth beyond allocator noise.
+    assert rss_after - rss_before < 256 * 2**20
+    assert not any(wait_until_idle(base_url).values())
+
+
+def test_engine_replica_bound_is_exact(base_url: str) -> None:
+    """Past the ingress, through the engine handle: each replica admits at most its capacity,
+    counting requests not yet on its engine thread, and refuses the rest with a 429 item."""
+    handle = serve.get_deployment_handle("Engine", app_name="prefixserve")
+    n = 3 * REPLICAS * REPLICA_CAPACITY
+
+    async def first_item(i: int) -> tuple[Any, dict[str, Any]]:
+        req = EngineRequest(
+            request_id=f"bound-{i}",
+            prompt_token_ids=[7, 8, 9, 10 + i],
+            sampling={"max_tokens": 900, "temperature": 0.0, "ignore_eos": True},
+        )
+        stream = handle.options(stream=True).generate.remote(req)
+        return stream, await stream.__anext__()
+
+    async def run() -> list[dict[str, Any]]:
+        got = await asyncio.gather(*(first_item(i) for i in range(n)))
+        for stream, _ in got:
+            stream.cancel()
+        return [item for _, item in got]
+
+    items = asyncio.run(run())
+    refused = [i for i in items if "error" in i]
+    admitted = [i for i in items if "error" not in i]
+    assert all(i["error"]["status"] == 429 for i in refused), refused[:3]
+    assert all(i["error"]["type"] == "overloaded_error" for i in refused)
+    assert len(admitted) <= REPLICAS * REPLICA_CAPACITY
+    per_replica: dict[str, int] = {}
+    for i in admitted:
+        per_replica[i["replica_id"]] = per_replica.get(i["replica_id"], 0) + 1
+    assert max(per_replica.values()) <= REPLICA_CAPACITY, per_replica
+    assert len(refused) >= n - REPLICAS * REPLICA_CAPACITY
+    m = scrape(base_url)
+    assert total(m, "prefixserve_replica_requests_rejected_total") >= len(refused)
+    assert not any(wait_until_idle(base_url).values())
+
+
+def test_request_timeout_ends_with_finish_reason_timeout(base_url: str) -> None:
+    body = {
+        "model": "tiny",
+        "prompt": "Count to a thousand.",
+        "max_tokens": 990,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    start = time.monotonic()
+    r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+    elapsed = time.monotonic() - start
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "timeout"
+    assert 0 < r.json()["usage"]["completion_tokens"] < 990
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 10
+
+    with httpx.stream(
+        "POST", f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as s:
+        assert s.status_code == 200
+        events = sse_payloads(s.iter_lines())
+    assert events[-1] == "[DONE]"
+    reasons = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
+    assert reasons[-1] == "timeout" and reasons.count("timeout") == 1
+    # The timed-out requests were aborted: nothing keeps running or holds blocks.
+    assert not any(wait_until_idle(base_url).values())
