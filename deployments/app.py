@@ -43,7 +43,7 @@ def engine_serve_options(args: AppArgs) -> dict[str, Any]:
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
     }
-    if args.limits.max_waiting_per_replica:
+    if args.limits.max_waiting_per_replica is not None:
         capacity = args.engine.max_num_seqs + args.limits.max_waiting_per_replica
         options["max_ongoing_requests"] = capacity + CONTROL_HEADROOM
     return options

@@ -80,8 +80,9 @@ class LimitsArgs(_Strict):
     max_prompt_tokens: int | None = Field(None, gt=0)
     max_tokens: int = Field(4096, gt=0)
     # Requests an engine replica holds beyond its running batch (waiting in its scheduler or in
-    # transit to its engine thread) before it answers 429; 0 disables the bound.
-    max_waiting_per_replica: int = Field(256, ge=0)
+    # transit to its engine thread) before it answers 429; 0: none beyond the batch; None: no
+    # bound.
+    max_waiting_per_replica: int | None = Field(256, ge=0)
     # Requests in flight through one ingress replica before it answers 429.
     max_ongoing_per_ingress: int = Field(1024, gt=0)
     # Requests one ingress replica queues while every engine replica is at Serve's

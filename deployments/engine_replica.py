@@ -38,6 +38,9 @@ logger = logging.getLogger("ray.serve")
 REGISTRY_ACTOR = "registry"
 KV_DIRECTORY_ACTOR = "kv_directory"
 REPORT_PERIOD_S = 1.0
+# Coalescing window for a client that waits for the whole answer: every stream item costs CPU in
+# both processes, and nobody sees the intermediate ones (the final item is never held back).
+NON_STREAMING_COALESCE_S = 1.0
 
 
 def _assigned_cpus() -> int | None:
@@ -98,7 +101,7 @@ class EngineReplica:
         """Most requests this replica holds at once: the running batch plus the waiting bound
         (None: unbounded). Requests in transit to the engine thread count against it."""
         waiting = self.args.limits.max_waiting_per_replica
-        return self.args.engine.max_num_seqs + waiting if waiting else None
+        return None if waiting is None else self.args.engine.max_num_seqs + waiting
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[dict[str, Any]]:
         """Stream dict items for one request (see ``_item``); an error is a single item with an
@@ -154,7 +157,7 @@ class EngineReplica:
             req.prompt_token_ids,
             params,
             priority=req.priority,
-            coalesce_s=self.coalesce_s,
+            coalesce_s=self.coalesce_s if req.stream else NON_STREAMING_COALESCE_S,
             before_add=before_add,
         )
         try:

@@ -208,6 +208,16 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     return (f"{where}: {err.get('msg')}" if where else str(err.get("msg"))), param
 
 
+def _item_error(item: dict[str, Any], retry_after: dict[str, str]) -> HTTPError:
+    err = item["error"]
+    headers = retry_after if err["status"] in (429, 503) else None
+    return HTTPError(
+        err["status"], err["message"], err["type"], code=err.get("code"), headers=headers
+    )
+
+
+# Everything the class below uses must be defined above it: ``serve.ingress`` copies the class
+# when it is decorated, with the module's globals as they are at that point.
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
@@ -453,6 +463,7 @@ class Ingress:
             block_hashes=compute_block_hashes(prompt_ids, self.block_size, self.hash_salt),
             priority=req.priority,
             timeout_s=self.args.limits.request_timeout_s,
+            stream=bool(req.stream),
         )
         # No await between the check above and this count: admission is atomic.
         self.set_in_flight(self.inflight + 1)
@@ -550,11 +561,3 @@ class Ingress:
             yield b"data: [DONE]\n\n"
         finally:
             lease.release()
-
-
-def _item_error(item: dict[str, Any], retry_after: dict[str, str]) -> HTTPError:
-    err = item["error"]
-    headers = retry_after if err["status"] in (429, 503) else None
-    return HTTPError(
-        err["status"], err["message"], err["type"], code=err.get("code"), headers=headers
-    )

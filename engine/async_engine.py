@@ -104,7 +104,7 @@ class AsyncEngine:
 
         The first token goes out alone and at once; after it, deltas that arrive within
         ``coalesce_s`` of the previous batch are merged into one, since every item that crosses a
-        process boundary costs CPU.
+        process boundary costs CPU. The final delta ends a batch at once.
         """
         self.check_health()
         request = self.engine.make_request(request_id, prompt, params, priority=priority)
@@ -130,10 +130,14 @@ class AsyncEngine:
         try:
             while True:
                 batch = [await stream.queue.get()]
-                if last_yield is not None and coalesce_s > 0 and not _ends(batch):
-                    wait = coalesce_s - (time.monotonic() - last_yield)
-                    if wait > 0:
-                        await asyncio.sleep(wait)
+                if last_yield is not None and coalesce_s > 0:
+                    # Gather until the window closes, but never hold back the final delta.
+                    deadline = last_yield + coalesce_s
+                    while not _ends(batch) and (remaining := deadline - time.monotonic()) > 0:
+                        try:
+                            batch.append(await asyncio.wait_for(stream.queue.get(), remaining))
+                        except TimeoutError:
+                            break
                 while not _ends(batch) and not stream.queue.empty():
                     batch.append(stream.queue.get_nowait())
                 error = next((b for b in batch if isinstance(b, BaseException)), None)
