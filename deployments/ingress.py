@@ -8,10 +8,10 @@ Overload and faults:
 * at most ``limits.max_ongoing_per_ingress`` requests are in flight through one ingress replica
   (a stream counts until it ends); beyond it, and when the engine handle's queue or an engine
   replica is full, the answer is 429 with ``Retry-After``;
-* a request whose engine replica fails before anything reached the client (the replica died, or
-  its engine loop did) is retried on another replica; a non-streamed request is retried even
-  after tokens were produced, since none were sent. A stream that already started ends with an
-  SSE error event instead.
+* a request whose engine replica fails or is full before anything reached the client (the replica
+  died, its engine loop did, or it refused with 429) is retried on another replica, up to
+  ``MAX_ATTEMPTS`` in all; a non-streamed request is retried even after tokens were produced,
+  since none were sent. A stream that already started ends with an SSE error event instead.
 """
 
 import asyncio
@@ -107,11 +107,13 @@ RETRY_BACKOFF_S = 0.1
 
 
 class _RetryableError(Exception):
-    """An engine replica failed before the client saw anything: try another replica."""
+    """An engine replica failed, or was full, before the client saw anything: try another
+    replica (after a pause when it failed). ``error`` is the answer if no attempt is left."""
 
-    def __init__(self, error: "HTTPError") -> None:
+    def __init__(self, error: "HTTPError", backoff: bool = True) -> None:
         super().__init__(str(error))
         self.error = error
+        self.backoff = backoff
 
 
 class IngressMetrics:
@@ -134,8 +136,9 @@ class IngressMetrics:
         ).labels(**labels)
         rejected = Counter(
             "prefixserve_ingress_requests_rejected",
-            "Requests answered 429, by the queue that was full: ingress (this replica's "
-            "in-flight limit), engine_queue (the engine handle's queue) or engine_replica.",
+            "Refusals for overload, by the queue that was full: ingress (this replica's in-flight "
+            "limit) and engine_queue (the engine handle's queue) answer 429; engine_replica (an "
+            "engine replica at its limit) is retried on another replica first.",
             ["ingress", "queue"],
             registry=r,
         )
@@ -491,7 +494,8 @@ class Ingress:
                     if attempt == MAX_ATTEMPTS:
                         raise e.error from e
                     self.ingress_metrics.retries.inc()
-                    await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+                    if e.backoff:
+                        await asyncio.sleep(RETRY_BACKOFF_S * attempt)
                     attempt += 1
                     continue
                 lease.finished = True
@@ -520,7 +524,9 @@ class Ingress:
             if err.get("code") == "engine_dead":
                 raise _RetryableError(self._unavailable(err["message"]))
             if err["status"] == 429:
+                # The router's view of replica load lags; another replica may have room.
                 self.ingress_metrics.rejected["engine_replica"].inc()
+                raise _RetryableError(_item_error(item, self.retry_after), backoff=False)
             raise _item_error(item, self.retry_after)
         return item
 

@@ -93,22 +93,27 @@ def test_every_class_global_resolves() -> None:
     assert missing == []
 
 
-@pytest.mark.parametrize(
-    ("outcome", "status", "queue"),
-    [
-        (BackPressureError(5, 4, status_code=429, retry_after_s=1.0), 429, "engine_queue"),
-        (error_item(429, "replica full", "overloaded_error", "overloaded"), 429, "engine_replica"),
-    ],
-    ids=["engine-handle-queue", "engine-replica"],
-)
-def test_overload_paths_are_429_with_retry_after(outcome: Any, status: int, queue: str) -> None:
+def test_engine_handle_queue_full_is_429_with_retry_after() -> None:
     ing = make_ingress(retry_after_s=3)
     with pytest.raises(HTTPError) as e:
-        next_item(ing, FakeStream(outcome))
-    assert e.value.status == status
+        next_item(ing, FakeStream(BackPressureError(5, 4, status_code=429, retry_after_s=1.0)))
+    assert e.value.status == 429
     assert e.value.type == "overloaded_error"
     assert e.value.headers == {"Retry-After": "3"}
-    assert ing.ingress_metrics.rejected[queue]._value.get() == 1
+    assert ing.ingress_metrics.rejected["engine_queue"]._value.get() == 1
+
+
+def test_full_engine_replica_is_retried_then_429_with_retry_after() -> None:
+    ing = make_ingress(retry_after_s=3)
+    item = error_item(429, "replica full", "overloaded_error", "overloaded")
+    with pytest.raises(_RetryableError) as e:
+        next_item(ing, FakeStream(item))
+    # No pause before trying another replica; if none has room, the answer is this 429.
+    assert not e.value.backoff
+    assert e.value.error.status == 429
+    assert e.value.error.type == "overloaded_error"
+    assert e.value.error.headers == {"Retry-After": "3"}
+    assert ing.ingress_metrics.rejected["engine_replica"]._value.get() == 1
 
 
 @pytest.mark.parametrize(
@@ -125,6 +130,7 @@ def test_engine_failures_are_retryable_503s(outcome: Any) -> None:
     stream = FakeStream() if outcome is None else FakeStream(outcome)
     with pytest.raises(_RetryableError) as e:
         next_item(ing, stream)
+    assert e.value.backoff
     assert e.value.error.status == 503
     assert e.value.error.headers == {"Retry-After": "3"}
 
