@@ -23,7 +23,10 @@ from deployments.request_router import request_router_config
 # Serve's max_ongoing_requests counts control calls (metrics, health, KV directory stats) too:
 # leave them room above the admission limits, which the replicas enforce themselves.
 CONTROL_HEADROOM = 8
-INGRESS_HEADROOM = 32
+# Kept small on purpose: beyond it Serve's proxy itself queues (max_queued_at_proxy) and refuses
+# the overflow, which costs far less CPU than a trip to the ingress. The few extra slots serve
+# /health, /metrics and requests that the ingress refuses with an OpenAI-style 429.
+INGRESS_HEADROOM = 4
 # An engine loop that died fails check_health at once; Serve replaces a replica after three
 # failed checks in a row, so this period bounds detection at about 3 x 2 s. The timeout is long
 # because a replica busy on 2 cores can be slow to answer without being broken.

@@ -86,11 +86,13 @@ class LimitsArgs(_Strict):
     # Requests in flight through one ingress replica before it answers 429.
     max_ongoing_per_ingress: int = Field(1024, gt=0)
     # Requests one ingress replica queues while every engine replica is at Serve's
-    # max_ongoing_requests (the Engine deployment's max_queued_requests).
-    max_queued_for_engine: int = Field(256, gt=0)
+    # max_ongoing_requests (the Engine deployment's max_queued_requests): only while replicas
+    # start or stop, since replicas refuse past their own limit first.
+    max_queued_for_engine: int = Field(64, gt=0)
     # Requests Serve's HTTP proxy queues while every ingress replica is at its
-    # max_ongoing_requests (the Ingress deployment's max_queued_requests).
-    max_queued_at_proxy: int = Field(1024, gt=0)
+    # max_ongoing_requests (the Ingress deployment's max_queued_requests). Past it the proxy
+    # answers 429 itself (a plain-text body), the cheapest refusal there is.
+    max_queued_at_proxy: int = Field(64, gt=0)
     # Seconds sent in Retry-After with every 429 and 503.
     retry_after_s: int = Field(1, ge=0)
     # Wall-clock limit per request at the engine replica; an expired request ends with

@@ -290,7 +290,8 @@ class Ingress:
                 )
         try:
             return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        # ValueError covers integers too long to convert; RecursionError, deep nesting.
+        except (ValueError, RecursionError) as e:
             raise HTTPError(400, f"body is not valid JSON: {e}") from e
 
     def _parse(self, model: type[BaseModel], body: Any) -> Any:
@@ -322,7 +323,10 @@ class Ingress:
             raise HTTPError(
                 400, "prompt: this model has no tokenizer; send token ids", param="prompt"
             )
-        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        try:
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        except Exception as e:  # noqa: BLE001 - e.g. lone surrogates: the client's input
+            raise HTTPError(400, f"prompt: cannot be tokenized: {e}", param="prompt") from e
 
     def _chat_tokens(self, req: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):

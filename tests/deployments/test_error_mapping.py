@@ -180,7 +180,7 @@ def test_serve_options_bound_every_queue_with_429() -> None:
     # A replica admits 12 itself; Serve lets a few control calls past that.
     assert 12 < engine["max_ongoing_requests"] <= 12 + 16
     assert engine["max_queued_requests"] == 7
-    assert 100 < ingress["max_ongoing_requests"] <= 100 + 64
+    assert 100 < ingress["max_ongoing_requests"] <= 100 + 8
     assert ingress["max_queued_requests"] == 9
     for options in (engine, ingress):
         assert options["backpressure_config"].status_code == 429
