@@ -41,7 +41,9 @@ def _backpressure(args: AppArgs) -> BackpressureConfig:
 def engine_serve_options(args: AppArgs) -> dict[str, Any]:
     """Serve options of the Engine deployment that follow from the limits."""
     options: dict[str, Any] = {
-        "max_queued_requests": args.limits.max_queued_for_engine,
+        "max_queued_requests": (
+            args.limits.max_queued_for_engine or args.limits.max_ongoing_per_ingress
+        ),
         "backpressure_config": _backpressure(args),
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,

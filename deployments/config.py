@@ -87,8 +87,10 @@ class LimitsArgs(_Strict):
     max_ongoing_per_ingress: int = Field(1024, gt=0)
     # Requests one ingress replica queues while every engine replica is at Serve's
     # max_ongoing_requests (the Engine deployment's max_queued_requests): only while replicas
-    # start or stop, since replicas refuse past their own limit first.
-    max_queued_for_engine: int = Field(64, gt=0)
+    # start or stop, since replicas refuse past their own limit first. None: as many as the
+    # ingress admits (Serve counts calls still being routed as queued, so a smaller queue can
+    # refuse a burst that the replicas have room for).
+    max_queued_for_engine: int | None = Field(None, gt=0)
     # Requests Serve's HTTP proxy queues while every ingress replica is at its
     # max_ongoing_requests (the Ingress deployment's max_queued_requests). Past it the proxy
     # answers 429 itself (a plain-text body), the cheapest refusal there is.

@@ -250,8 +250,10 @@ class Ingress:
     def _check_auth(self, request: Request) -> None:
         if not self.api_key:
             return
-        header = request.headers.get("authorization", "")
-        if not hmac.compare_digest(header.encode(), f"Bearer {self.api_key}".encode()):
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # Constant-time comparison: the key must not leak through response timing.
+        valid = hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        if scheme.lower() != "bearer" or not valid:
             raise HTTPError(
                 401,
                 "missing or invalid API key",

@@ -187,6 +187,9 @@ def test_serve_options_bound_every_queue_with_429() -> None:
         assert options["backpressure_config"].retry_after_s == 2
     unbounded = AppArgs.model_validate({"limits": {"max_waiting_per_replica": None}})
     assert "max_ongoing_requests" not in engine_serve_options(unbounded)
+    # By default the engine handle may queue what the ingress admits, and no more.
+    default = AppArgs.model_validate({"limits": {"max_ongoing_per_ingress": 33}})
+    assert engine_serve_options(default)["max_queued_requests"] == 33
 
 
 def test_dead_engine_is_replaced_within_the_acceptance_window() -> None:
