@@ -2,7 +2,9 @@
 
 A replica's lifecycle: load the model, start the engine thread, then every second report health
 and metrics to the replica registry. Serve polls ``record_routing_stats`` for the request router
-and ``check_health`` to replace a replica whose engine loop died.
+and ``check_health``. If the engine loop dies, every live stream ends with an error item, health
+checks fail, and the replica takes itself down half a second later, so that callers fail over at
+once and Serve starts a replacement.
 
 Admission: a replica holds at most ``capacity`` requests (``max_num_seqs`` running plus
 ``limits.max_waiting_per_replica`` waiting), counted from the moment ``generate`` starts, so
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -41,6 +44,10 @@ REPORT_PERIOD_S = 1.0
 # Coalescing window for a client that waits for the whole answer: every stream item costs CPU in
 # both processes, and nobody sees the intermediate ones (the final item is never held back).
 NON_STREAMING_COALESCE_S = 1.0
+# How long a replica whose engine loop died lingers so that its streams' error items get out
+# before it takes itself down (a dead replica answering at once looks idle to the router, which
+# would then send it every new request).
+ENGINE_DEATH_GRACE_S = 0.5
 
 
 def _assigned_cpus() -> int | None:
@@ -55,6 +62,7 @@ class EngineReplica:
         self.started_at = time.time()
         self.engine = LLMEngine(self.args.engine_config(num_threads=_assigned_cpus()))
         self.async_engine = AsyncEngine(self.engine)
+        self.async_engine.on_death = self._on_engine_death
         self.async_engine.start()
         self.metrics = ReplicaMetrics(self.replica_id)
         self.num_admitted = 0
@@ -134,6 +142,12 @@ class EngineReplica:
             self.admitted_peak_gauge.labels(replica=self.replica_id).set(n)
 
     async def _generate(self, req: EngineRequest) -> AsyncIterator[dict[str, Any]]:
+        if self.async_engine.error is not None:
+            # This replica is about to exit (see _on_engine_death): the caller then sees it die
+            # and retries elsewhere. Answer only if the exit is late.
+            await asyncio.sleep(4 * ENGINE_DEATH_GRACE_S)
+            yield error_item(503, "engine replica is shutting down", "engine_error", "engine_dead")
+            return
         try:
             params = SamplingParams(**req.sampling)
         except (TypeError, ValueError) as e:
@@ -172,8 +186,8 @@ class EngineReplica:
         except ValueError as e:
             yield error_item(400, str(e), "invalid_request_error")
         except EngineDeadError as e:
-            # The ingress retries on another replica when nothing has been streamed yet.
-            yield error_item(503, str(e), "engine_error", "engine_dead")
+            # Not retried elsewhere: this request may be what broke the engine.
+            yield error_item(503, str(e), "engine_error", "engine_failed")
         except Exception as e:  # noqa: BLE001 - one request's failure must not look like a crash
             logger.exception("request %s failed", req.request_id)
             yield error_item(500, f"internal error: {type(e).__name__}", "internal_error")
@@ -245,6 +259,18 @@ class EngineReplica:
 
     def check_health(self) -> None:
         self.async_engine.check_health()
+
+    def _on_engine_death(self, error: BaseException) -> None:
+        """Engine thread, after every stream got its error: take this replica down, so that
+        callers fail over at once and Serve starts a replacement. ``check_health`` fails in the
+        meantime, which Serve acts on too (more slowly)."""
+        logger.error("engine loop died (%r); replica %s exits", error, self.replica_id)
+        time.sleep(ENGINE_DEATH_GRACE_S)
+        try:
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        finally:
+            time.sleep(5.0)
+            os._exit(1)
 
     def _ensure_reporter(self) -> None:
         if self._reporter is None or self._reporter.done():

@@ -9,9 +9,11 @@ Overload and faults:
   (a stream counts until it ends); beyond it, and when the engine handle's queue or an engine
   replica is full, the answer is 429 with ``Retry-After``;
 * a request whose engine replica fails or is full before anything reached the client (the replica
-  died, its engine loop did, or it refused with 429) is retried on another replica, up to
-  ``MAX_ATTEMPTS`` in all; a non-streamed request is retried even after tokens were produced,
-  since none were sent. A stream that already started ends with an SSE error event instead.
+  died, it refused with 429, or its engine had died before the request got there) is retried on
+  another replica, up to ``MAX_ATTEMPTS`` in all; a non-streamed request is retried even after
+  tokens were produced, since none were sent. A stream that already started ends with an SSE
+  error event instead. A request that was running when its engine loop died is not retried (it
+  may be what broke it): it gets a 503.
 """
 
 import asyncio
@@ -527,7 +529,7 @@ class Ingress:
             raise self._unavailable(f"engine unavailable: {type(e).__name__}") from e
         if "error" in item:
             err = item["error"]
-            if err.get("code") == "engine_dead":
+            if err.get("code") == "engine_dead":  # never reached a working engine
                 raise _RetryableError(self._unavailable(err["message"]))
             if err["status"] == 429:
                 # The router's view of replica load lags; another replica may have room.

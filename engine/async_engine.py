@@ -58,6 +58,9 @@ class AsyncEngine:
         self._stop = threading.Event()
         # Set once, under ``_lock``, when the loop dies.
         self.error: BaseException | None = None
+        # Called once on the engine thread, after every waiter was failed, when the loop died of
+        # an exception (not on shutdown): the owner may take the process down.
+        self.on_death: Callable[[BaseException], None] | None = None
         self.last_step_at = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -215,6 +218,8 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - the loop must report, not vanish
             logger.exception("engine loop died")
             self._fail_all(e)
+            if self.on_death is not None:
+                self.on_death(e)
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestDelta]]] = {}

@@ -141,6 +141,14 @@ def test_unknown_engine_exception_is_503_not_500() -> None:
     assert e.value.status == 503 and e.value.headers == {"Retry-After": "3"}
 
 
+def test_request_running_when_the_engine_died_is_not_retried() -> None:
+    """It may be the request that broke the engine: retrying it could break the next one."""
+    item = error_item(503, "engine loop died: RuntimeError()", "engine_error", "engine_failed")
+    with pytest.raises(HTTPError) as e:
+        next_item(make_ingress(), FakeStream(item))
+    assert e.value.status == 503 and e.value.headers == {"Retry-After": "3"}
+
+
 def test_client_errors_from_the_engine_keep_their_status() -> None:
     with pytest.raises(HTTPError) as e:
         next_item(make_ingress(), FakeStream(error_item(400, "bad", "invalid_request_error")))

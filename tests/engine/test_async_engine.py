@@ -111,8 +111,11 @@ def test_step_fault_fails_every_live_stream_and_health(
         fail_step_after(monkeypatch, engine, 3, died)
         return await asyncio.gather(*tasks, return_exceptions=True)
 
+    deaths: list[BaseException] = []
+    async_engine.on_death = deaths.append
     results = asyncio.run(asyncio.wait_for(run(), DEADLINE_S))
     assert died.is_set()
+    assert [str(d) for d in deaths] == ["injected fault: CUDA error: device-side assert triggered"]
     assert all(isinstance(r, EngineDeadError) for r in results), results
     assert all("injected fault" in str(r) for r in results)
     assert not async_engine.is_alive
@@ -194,6 +197,9 @@ def test_invalid_request_raises_value_error_before_queueing(async_engine: AsyncE
 
 
 def test_shutdown_ends_live_streams(async_engine: AsyncEngine) -> None:
+    deaths: list[BaseException] = []
+    async_engine.on_death = deaths.append
+
     async def run() -> None:
         task = asyncio.create_task(consume(async_engine, "s", long_params()))
         await asyncio.sleep(0.1)
@@ -204,3 +210,4 @@ def test_shutdown_ends_live_streams(async_engine: AsyncEngine) -> None:
     asyncio.run(asyncio.wait_for(run(), DEADLINE_S))
     with pytest.raises(EngineDeadError):
         async_engine.check_health()
+    assert deaths == []  # a shutdown is not a death
