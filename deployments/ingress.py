@@ -380,7 +380,8 @@ class Ingress:
         self._check_model(req.model)
         try:
             prompt_ids = self._tokenize(req.single_prompt())
-            params = req.to_sampling_params(default_max_tokens=16)
+            # OpenAI's default for completions, within the configured limit.
+            params = req.to_sampling_params(default_max_tokens=min(16, self.args.limits.max_tokens))
         except ProtocolError as e:
             raise HTTPError(400, str(e), param=e.param) from e
         self._check_lengths(prompt_ids, params.max_tokens, "max_tokens")

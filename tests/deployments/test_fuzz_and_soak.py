@@ -238,6 +238,77 @@ chat_body = st.fixed_dictionaries(
     },
 )
 GEN_PATHS = ["/v1/completions", "/v1/chat/completions"]
+
+# Valid requests, so that the serving path itself is fuzzed too, and valid requests with one
+# field replaced by any JSON value.
+valid_sampling = {
+    "max_tokens": st.integers(min_value=1, max_value=MAX_TOKENS),
+    "temperature": st.floats(min_value=0, max_value=2),
+    "top_p": st.floats(min_value=0.05, max_value=1),
+    "top_k": st.integers(min_value=-1, max_value=100),
+    "min_tokens": st.integers(min_value=0, max_value=1),
+    "seed": st.integers(min_value=0, max_value=2**31),
+    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2),
+    "ignore_eos": st.booleans(),
+    "priority": st.integers(min_value=-5, max_value=5),
+    "user": st.text(max_size=5),
+}
+valid_completion = st.fixed_dictionaries(
+    {
+        "model": st.just("tiny"),
+        "prompt": st.one_of(
+            st.text(min_size=1, max_size=60),
+            st.lists(st.integers(min_value=3, max_value=49000), min_size=1, max_size=40),
+        ),
+    },
+    optional={**valid_sampling, "logprobs": st.integers(min_value=0, max_value=5)},
+)
+valid_chat = st.fixed_dictionaries(
+    {
+        "model": st.just("tiny"),
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {
+                    "role": st.sampled_from(["system", "user", "assistant"]),
+                    "content": st.text(max_size=40),
+                }
+            ),
+            min_size=1,
+            max_size=3,
+        ),
+    },
+    optional={
+        **valid_sampling,
+        "max_completion_tokens": st.integers(min_value=1, max_value=MAX_TOKENS),
+        "logprobs": st.booleans(),
+    },
+)
+
+
+def streamed(bodies: st.SearchStrategy) -> st.SearchStrategy:
+    return st.tuples(bodies, st.booleans(), st.booleans()).map(
+        lambda t: (
+            {**t[0], "stream": True, "stream_options": {"include_usage": t[2]}} if t[1] else t[0]
+        )
+    )
+
+
+def mutated(bodies: st.SearchStrategy, names: list[str]) -> st.SearchStrategy:
+    return st.tuples(bodies, st.sampled_from(names), json_values).map(
+        lambda t: {**t[0], t[1]: t[2]}
+    )
+
+
+MUTABLE = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "stream", "stop"]
+completion_bodies = st.one_of(
+    streamed(valid_completion),
+    streamed(valid_completion),
+    mutated(streamed(valid_completion), MUTABLE),
+    completion_body,
+)
+chat_bodies = st.one_of(
+    streamed(valid_chat), streamed(valid_chat), mutated(streamed(valid_chat), MUTABLE), chat_body
+)
 CONTENT_TYPES = [
     "application/json",
     "text/plain",
@@ -248,9 +319,13 @@ CONTENT_TYPES = [
 
 # A request: (kind, method, path, payload, content type).
 fuzz_request = st.one_of(
-    st.tuples(st.just("json"), st.just("POST"), st.just("/v1/completions"), completion_body,
+    st.tuples(st.just("json"), st.just("POST"), st.just("/v1/completions"), completion_bodies,
               st.just("application/json")),
-    st.tuples(st.just("json"), st.just("POST"), st.just("/v1/chat/completions"), chat_body,
+    st.tuples(st.just("json"), st.just("POST"), st.just("/v1/chat/completions"), chat_bodies,
+              st.just("application/json")),
+    st.tuples(st.just("json"), st.just("POST"), st.just("/v1/completions"), completion_bodies,
+              st.just("application/json")),
+    st.tuples(st.just("json"), st.just("POST"), st.just("/v1/chat/completions"), chat_bodies,
               st.just("application/json")),
     st.tuples(st.just("json"), st.just("POST"), st.sampled_from(GEN_PATHS), json_values,
               st.sampled_from(CONTENT_TYPES)),
@@ -359,7 +434,7 @@ def test_fuzz_http_api(base_url: str) -> None:
     print(f"\nfuzz: {sent} requests, statuses {dict(sorted(statuses.items()))}")
     assert sent >= 1000
     assert not any(s >= 500 for s in statuses)
-    assert statuses[200] >= 50  # the plausible requests do get served
+    assert statuses[200] >= 250  # the valid requests do get served
     state = wait_until_idle(base_url, AUTH)
     assert not any(state.values()), state
 
@@ -485,7 +560,10 @@ def test_soak_with_random_disconnects(base_url: str) -> None:
     print(
         f"\nsoak: {tally['tried']} requests tried, {faults} client disconnects injected "
         f"({tally['disconnected mid-stream']} mid-stream, {tally['gave up waiting']} while "
-        f"waiting), {aborted:.0f} aborted by the engine, {tally['errors']} errors, "
+        f"waiting), {aborted:.0f} aborted by the engine, "
+        f"{delta('prefixserve_num_preemptions_total'):.0f} preemptions, "
+        f"{delta('prefixserve_prefix_cache_hit_tokens_total', source='remote'):.0f} prompt tokens "
+        f"from another replica's KV, {tally['errors']} errors, "
         f"{state['blocks_leaked']:.0f} blocks leaked; idle state {state}; tally {dict(tally)}"
     )
     assert tally["tried"] == SOAK_REQUESTS
