@@ -118,6 +118,9 @@ class _RetryableError(Exception):
         self.backoff = backoff
 
 
+REJECT_QUEUES = ("ingress", "engine_queue", "engine_replica")
+
+
 class IngressMetrics:
     """Admission figures of one ingress replica, appended to ``/metrics``."""
 
@@ -163,9 +166,6 @@ class IngressMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-REJECT_QUEUES = ("ingress", "engine_queue", "engine_replica")
 
 
 class _Lease:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -112,7 +111,3 @@ def serve_rss(app_name: str = "prefixserve") -> int:
 
 def engine_replica_ids(m: Samples) -> set[str]:
     return set(per_label(m, "prefixserve_kv_cache_blocks", "replica"))
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "") not in ("", "0", "false")
