@@ -34,18 +34,19 @@ class EvilTokenizer(PreTrainedTokenizerFast):
 
 
 def test_no_source_enables_trust_remote_code() -> None:
-    """Every ``trust_remote_code`` in the packages is a literal False."""
-    offenders = []
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            text = path.read_text()
-            for m in re.finditer(r"trust_remote_code\s*[=:]\s*([^,)\s]+)", text):
-                if m.group(1) != "False":
-                    offenders.append(f"{path.relative_to(ROOT)}: {m.group(0)}")
-            if "trust_remote_code" in text and "**" in text:
-                # A kwargs dict could smuggle it in: it must then be spelled out as above.
-                assert not re.search(r"[\"']trust_remote_code[\"']\s*:\s*True", text), path
+    """Every ``trust_remote_code`` in the packages, as a keyword or a dict key, is a literal
+    False."""
+    setting = re.compile(r"""(trust_remote_code\s*=|["']trust_remote_code["']\s*:)\s*(\w+)""")
+    offenders = [
+        f"{path.relative_to(ROOT)}: {m.group(0)}"
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for m in setting.finditer(path.read_text())
+        if m.group(2) != "False"
+    ]
     assert offenders == []
+    assert setting.search("AutoConfig.from_pretrained(p, trust_remote_code=True)")
+    assert setting.search("kwargs = {'trust_remote_code': flag}").group(2) == "flag"
 
 
 def remote_code_checkpoint(tmp: Path, source: Path, model_type: str) -> Path:
