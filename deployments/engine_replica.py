@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
 
 import ray
 from prometheus_client import Counter, Gauge
@@ -37,6 +38,7 @@ from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
+T = TypeVar("T")
 
 REGISTRY_ACTOR = "registry"
 KV_DIRECTORY_ACTOR = "kv_directory"
@@ -48,6 +50,23 @@ NON_STREAMING_COALESCE_S = 1.0
 # before it takes itself down (a dead replica answering at once looks idle to the router, which
 # would then send it every new request).
 ENGINE_DEATH_GRACE_S = 0.5
+
+
+def _detached(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    """Run ``coro`` as a task outside the calling request's context.
+
+    In an async actor, Ray attributes every actor call to the request in whose context it is
+    made (a context variable), and cancelling that request (the client went away) cancels those
+    calls too. An actor call cancelled before it was sent leaves a gap in the target actor's
+    ordered queue for this process, which then holds every later call from here for 30 s: the
+    KV directory and the registry would stall. Background loops and calls to those actors
+    therefore run in a fresh context; a caller that stops waiting merely stops waiting."""
+    return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+
+
+async def _call(remote_call: Callable[[], Any]) -> Any:
+    """Make and await an actor call (inside the coroutine, so in its task's context)."""
+    return await remote_call()
 
 
 def _assigned_cpus() -> int | None:
@@ -159,7 +178,9 @@ class EngineReplica:
         timeout_s = req.timeout_s or self.args.limits.request_timeout_s
         before_add = None
         if self.kv_sharing is not None and req.block_hashes:
-            plan = await self.kv_sharing.plan_import(len(req.prompt_token_ids), req.block_hashes)
+            plan = await _detached(
+                self.kv_sharing.plan_import(len(req.prompt_token_ids), req.block_hashes)
+            )
             if plan is not None:
                 sharing = self.kv_sharing
 
@@ -274,9 +295,10 @@ class EngineReplica:
 
     def _ensure_reporter(self) -> None:
         if self._reporter is None or self._reporter.done():
-            self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
+            self._reporter = _detached(self._report_loop())
         if self.kv_sharing is not None:
-            self.kv_sharing.start()
+            # Its publishing loop is created here: not inside this request's context.
+            contextvars.Context().run(self.kv_sharing.start)
 
     async def _report_loop(self) -> None:
         while True:
@@ -305,13 +327,14 @@ class EngineReplica:
     async def cluster_report(self) -> dict[str, dict[str, Any]]:
         """Every live replica's latest report (read from the registry)."""
         self._ensure_reporter()
-        await self._report_once()
-        return await self._registry.live.remote()
+        await _detached(self._report_once())
+        return await _detached(_call(lambda: self._registry.live.remote()))
 
     async def kv_directory_stats(self) -> dict[str, Any]:
         if self.kv_sharing is None:
             return {}
-        return await self.kv_sharing.directory.stats.remote()
+        directory = self.kv_sharing.directory
+        return await _detached(_call(lambda: directory.stats.remote()))
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

@@ -115,6 +115,7 @@ def test_step_fault_fails_every_live_stream_and_health(
     async_engine.on_death = deaths.append
     results = asyncio.run(asyncio.wait_for(run(), DEADLINE_S))
     assert died.is_set()
+    async_engine.shutdown(timeout=DEADLINE_S)  # joins the engine thread: on_death has run
     assert [str(d) for d in deaths] == ["injected fault: CUDA error: device-side assert triggered"]
     assert all(isinstance(r, EngineDeadError) for r in results), results
     assert all("injected fault" in str(r) for r in results)
