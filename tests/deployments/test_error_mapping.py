@@ -5,6 +5,7 @@ engine failure a 503 with Retry-After (retried first when nothing reached the cl
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from typing import Any
 
 import pytest
@@ -209,3 +210,21 @@ def test_dead_engine_is_replaced_within_the_acceptance_window() -> None:
     options = engine_serve_options(AppArgs())
     assert options["health_check_period_s"] == HEALTH_CHECK_PERIOD_S
     assert options["health_check_timeout_s"] == HEALTH_CHECK_TIMEOUT_S
+
+
+def test_replica_background_work_runs_outside_the_request_context() -> None:
+    """Ray ties actor calls to the request whose context they run in and cancels them with it
+    (a client disconnect); the replica's loops and registry calls must not inherit that."""
+    from deployments.engine_replica import _detached
+
+    request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("rid", default=None)
+
+    async def run() -> str | None:
+        request_id.set("request-1")
+
+        async def read() -> str | None:
+            return request_id.get()
+
+        return await _detached(read())
+
+    assert asyncio.run(run()) is None
