@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -84,11 +85,12 @@ def percentile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def processes_rss(match: Callable[[str], bool]) -> dict[int, int]:
-    """Resident memory in bytes of this machine's processes whose command line matches."""
+def processes_rss(match: Callable[[str], bool], pids: set[int] | None = None) -> dict[int, int]:
+    """Resident memory in bytes of this machine's processes (among ``pids`` if given) whose
+    command line matches."""
     out = {}
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
+        if not proc.name.isdigit() or (pids is not None and int(proc.name) not in pids):
             continue
         try:
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -103,9 +105,23 @@ def processes_rss(match: Callable[[str], bool]) -> dict[int, int]:
 
 
 def serve_rss(app_name: str = "prefixserve") -> int:
-    """Total resident memory of the application's Serve replicas and the HTTP proxy."""
-    tags = (f"ServeReplica:{app_name}:", "ProxyActor")
-    rss = processes_rss(lambda c: any(t in c for t in tags))
+    """Total resident memory of this cluster's HTTP proxy and the application's Serve replicas
+    (found through Ray, so that other clusters on the machine do not count)."""
+    import ray
+
+    def pid(_: Any) -> int:
+        return os.getpid()
+
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "serve"
+        and (a["name"].startswith(f"SERVE_REPLICA::{app_name}#") or "PROXY" in a["name"])
+    ]
+    pids = ray.get(
+        [ray.get_actor(n, namespace="serve").__ray_call__.remote(pid) for n in names], timeout=60
+    )
+    rss = processes_rss(lambda _: True, pids=set(pids))
     return sum(rss.values())
 
 
