@@ -1,4 +1,9 @@
-"""The application builder named by ``serve_config.yaml`` (``deployments.app:build_app``)."""
+"""The application builder named by ``serve_config.yaml`` (``deployments.app:build_app``).
+
+Serve-level options are derived from ``AppArgs.limits`` so that every queue is bounded and every
+overflow is a 429 with ``Retry-After`` (Serve's own backpressure answers 503 unless told
+otherwise). A ``deployments`` entry in ``serve_config.yaml`` still overrides any of them.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import DeploymentActorConfig
+from ray.serve.config import BackpressureConfig, DeploymentActorConfig
 
 from deployments.config import AppArgs
 from deployments.engine_replica import KV_DIRECTORY_ACTOR, REGISTRY_ACTOR, EngineReplica
@@ -14,6 +19,48 @@ from deployments.ingress import Ingress
 from deployments.kv_directory import KVDirectory
 from deployments.registry import ReplicaRegistry
 from deployments.request_router import request_router_config
+
+# Serve's max_ongoing_requests counts control calls (metrics, health, KV directory stats) too:
+# leave them room above the admission limits, which the replicas enforce themselves.
+CONTROL_HEADROOM = 8
+# Kept small on purpose: beyond it Serve's proxy itself queues (max_queued_at_proxy) and refuses
+# the overflow, which costs far less CPU than a trip to the ingress. The few extra slots serve
+# /health, /metrics and requests that the ingress refuses with an OpenAI-style 429.
+INGRESS_HEADROOM = 4
+# An engine loop that died fails check_health at once; Serve replaces a replica after three
+# failed checks in a row, so this period bounds detection at about 3 x 2 s. The timeout is long
+# because a replica busy on 2 cores can be slow to answer without being broken.
+HEALTH_CHECK_PERIOD_S = 2.0
+HEALTH_CHECK_TIMEOUT_S = 10.0
+
+
+def _backpressure(args: AppArgs) -> BackpressureConfig:
+    return BackpressureConfig(status_code=429, retry_after_s=args.limits.retry_after_s)
+
+
+def engine_serve_options(args: AppArgs) -> dict[str, Any]:
+    """Serve options of the Engine deployment that follow from the limits."""
+    options: dict[str, Any] = {
+        "max_queued_requests": (
+            args.limits.max_queued_for_engine or args.limits.max_ongoing_per_ingress
+        ),
+        "backpressure_config": _backpressure(args),
+        "health_check_period_s": HEALTH_CHECK_PERIOD_S,
+        "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
+    }
+    if args.limits.max_waiting_per_replica is not None:
+        capacity = args.engine.max_num_seqs + args.limits.max_waiting_per_replica
+        options["max_ongoing_requests"] = capacity + CONTROL_HEADROOM
+    return options
+
+
+def ingress_serve_options(args: AppArgs) -> dict[str, Any]:
+    """Serve options of the Ingress deployment that follow from the limits."""
+    return {
+        "max_ongoing_requests": args.limits.max_ongoing_per_ingress + INGRESS_HEADROOM,
+        "max_queued_requests": args.limits.max_queued_at_proxy,
+        "backpressure_config": _backpressure(args),
+    }
 
 
 def engine_deployment(args: AppArgs) -> Any:
@@ -35,6 +82,7 @@ def engine_deployment(args: AppArgs) -> Any:
             )
         )
     options: dict[str, Any] = {
+        **engine_serve_options(args),
         "name": "Engine",
         "deployment_actors": actors,
         "request_router_config": request_router_config(
@@ -63,5 +111,7 @@ def build(
     engine = engine_deployment(args)
     if engine_options:
         engine = engine.options(**engine_options)
-    ingress = Ingress.options(**ingress_options) if ingress_options else Ingress
+    ingress = Ingress.options(**ingress_serve_options(args))
+    if ingress_options:
+        ingress = ingress.options(**ingress_options)
     return ingress.bind(engine.bind(plain), plain)

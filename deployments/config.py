@@ -65,15 +65,40 @@ class KVSharingArgs(_Strict):
 
 
 class LimitsArgs(_Strict):
-    """Admission limits; beyond them requests get a 4xx instead of unbounded memory."""
+    """Admission limits; beyond them requests get a 4xx instead of unbounded memory.
+
+    Every queue on a request's path is bounded, and overflowing any of them answers 429 with a
+    ``Retry-After`` header (OpenAI clients retry on it):
+
+    * Serve's HTTP proxy waiting for an ingress replica: ``max_queued_at_proxy``;
+    * an ingress replica: ``max_ongoing_per_ingress`` requests in flight, streams included;
+    * an ingress replica waiting for a free engine replica: ``max_queued_for_engine``;
+    * an engine replica: ``engine.max_num_seqs`` running plus ``max_waiting_per_replica``.
+    """
 
     max_body_bytes: int = Field(4 << 20, gt=0)
     max_prompt_tokens: int | None = Field(None, gt=0)
     max_tokens: int = Field(4096, gt=0)
-    # Requests queued per engine replica before it answers 429.
-    max_waiting_per_replica: int = Field(256, ge=0)
+    # Requests an engine replica holds beyond its running batch (waiting in its scheduler or in
+    # transit to its engine thread) before it answers 429; 0: none beyond the batch; None: no
+    # bound.
+    max_waiting_per_replica: int | None = Field(256, ge=0)
     # Requests in flight through one ingress replica before it answers 429.
     max_ongoing_per_ingress: int = Field(1024, gt=0)
+    # Requests one ingress replica queues while every engine replica is at Serve's
+    # max_ongoing_requests (the Engine deployment's max_queued_requests): only while replicas
+    # start or stop, since replicas refuse past their own limit first. None: as many as the
+    # ingress admits (Serve counts calls still being routed as queued, so a smaller queue can
+    # refuse a burst that the replicas have room for).
+    max_queued_for_engine: int | None = Field(None, gt=0)
+    # Requests Serve's HTTP proxy queues while every ingress replica is at its
+    # max_ongoing_requests (the Ingress deployment's max_queued_requests). Past it the proxy
+    # answers 429 itself (a plain-text body), the cheapest refusal there is.
+    max_queued_at_proxy: int = Field(64, gt=0)
+    # Seconds sent in Retry-After with every 429 and 503.
+    retry_after_s: int = Field(1, ge=0)
+    # Wall-clock limit per request at the engine replica; an expired request ends with
+    # finish_reason "timeout".
     request_timeout_s: float | None = Field(None, gt=0)
 
 

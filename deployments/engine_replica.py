@@ -2,19 +2,30 @@
 
 A replica's lifecycle: load the model, start the engine thread, then every second report health
 and metrics to the replica registry. Serve polls ``record_routing_stats`` for the request router
-and ``check_health`` to replace a replica whose engine loop died.
+and ``check_health``. If the engine loop dies, every live stream ends with an error item, health
+checks fail, and the replica takes itself down half a second later, so that callers fail over at
+once and Serve starts a replacement.
+
+Admission: a replica holds at most ``capacity`` requests (``max_num_seqs`` running plus
+``limits.max_waiting_per_replica`` waiting), counted from the moment ``generate`` starts, so
+requests still in transit to the engine thread or importing KV count too. Beyond it the request
+gets a 429 item at once. Serve's ``max_ongoing_requests`` on this deployment is set a little above
+``capacity`` (see ``deployments.app``) so that control calls (metrics, health) always get through.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
+import os
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
 
 import ray
+from prometheus_client import Counter, Gauge
 from ray import serve
 
 from deployments.config import AppArgs
@@ -27,10 +38,35 @@ from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
+T = TypeVar("T")
 
 REGISTRY_ACTOR = "registry"
 KV_DIRECTORY_ACTOR = "kv_directory"
 REPORT_PERIOD_S = 1.0
+# Coalescing window for a client that waits for the whole answer: every stream item costs CPU in
+# both processes, and nobody sees the intermediate ones (the final item is never held back).
+NON_STREAMING_COALESCE_S = 1.0
+# How long a replica whose engine loop died lingers so that its streams' error items get out
+# before it takes itself down (a dead replica answering at once looks idle to the router, which
+# would then send it every new request).
+ENGINE_DEATH_GRACE_S = 0.5
+
+
+def _detached(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    """Run ``coro`` as a task outside the calling request's context.
+
+    In an async actor, Ray attributes every actor call to the request in whose context it is
+    made (a context variable), and cancelling that request (the client went away) cancels those
+    calls too. An actor call cancelled before it was sent leaves a gap in the target actor's
+    ordered queue for this process, which then holds every later call from here for 30 s: the
+    KV directory and the registry would stall. Background loops and calls to those actors
+    therefore run in a fresh context; a caller that stops waiting merely stops waiting."""
+    return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+
+
+async def _call(remote_call: Callable[[], Any]) -> Any:
+    """Make and await an actor call (inside the coroutine, so in its task's context)."""
+    return await remote_call()
 
 
 def _assigned_cpus() -> int | None:
@@ -45,8 +81,33 @@ class EngineReplica:
         self.started_at = time.time()
         self.engine = LLMEngine(self.args.engine_config(num_threads=_assigned_cpus()))
         self.async_engine = AsyncEngine(self.engine)
+        self.async_engine.on_death = self._on_engine_death
         self.async_engine.start()
         self.metrics = ReplicaMetrics(self.replica_id)
+        self.num_admitted = 0
+        self.admitted_peak = 0
+        self.admitted_gauge = Gauge(
+            "prefixserve_replica_requests_admitted",
+            "Requests admitted to the engine replica and not yet finished (running, waiting, or in "
+            "transit to the engine thread).",
+            ["replica"],
+            registry=self.metrics.registry,
+        )
+        self.admitted_peak_gauge = Gauge(
+            "prefixserve_replica_requests_admitted_peak",
+            "Most requests the engine replica has held at once since it started.",
+            ["replica"],
+            registry=self.metrics.registry,
+        )
+        self.rejected = Counter(
+            "prefixserve_replica_requests_rejected",
+            "Requests the engine replica refused (429) because it held its limit.",
+            ["replica"],
+            registry=self.metrics.registry,
+        )
+        self._set_admitted(0)
+        self.admitted_peak_gauge.labels(replica=self.replica_id).set(0)
+        self.rejected.labels(replica=self.replica_id)
         self.coalesce_s = self.args.stream_interval_ms / 1000.0
         self._registry: Any = None
         self._reporter: asyncio.Task | None = None
@@ -62,22 +123,53 @@ class EngineReplica:
             )
 
     # -- serving ---------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int | None:
+        """Most requests this replica holds at once: the running batch plus the waiting bound
+        (None: unbounded). Requests in transit to the engine thread count against it."""
+        waiting = self.args.limits.max_waiting_per_replica
+        return None if waiting is None else self.args.engine.max_num_seqs + waiting
+
     async def generate(self, req: EngineRequest) -> AsyncIterator[dict[str, Any]]:
         """Stream dict items for one request (see ``_item``); an error is a single item with an
         ``error`` key, never an exception, so the ingress can map it to an HTTP status."""
         self._ensure_reporter()
-        limit = self.args.limits.max_waiting_per_replica
-        if limit and self.engine.scheduler.num_waiting >= limit:
+        capacity = self.capacity
+        # Checked and counted with no await in between: admission is atomic on the event loop.
+        if capacity is not None and self.num_admitted >= capacity:
+            self.rejected.labels(replica=self.replica_id).inc()
             yield error_item(
                 429,
-                "engine replica overloaded: too many queued requests",
+                f"engine replica overloaded: {self.num_admitted} requests admitted "
+                f"(limit {capacity})",
                 "overloaded_error",
                 "overloaded",
             )
             return
+        self._set_admitted(self.num_admitted + 1)
+        try:
+            async for item in self._generate(req):
+                yield item
+        finally:
+            self._set_admitted(self.num_admitted - 1)
+
+    def _set_admitted(self, n: int) -> None:
+        self.num_admitted = n
+        self.admitted_gauge.labels(replica=self.replica_id).set(n)
+        if n > self.admitted_peak:
+            self.admitted_peak = n
+            self.admitted_peak_gauge.labels(replica=self.replica_id).set(n)
+
+    async def _generate(self, req: EngineRequest) -> AsyncIterator[dict[str, Any]]:
+        if self.async_engine.error is not None:
+            # This replica is about to exit (see _on_engine_death): the caller then sees it die
+            # and retries elsewhere. Answer only if the exit is late.
+            await asyncio.sleep(4 * ENGINE_DEATH_GRACE_S)
+            yield error_item(503, "engine replica is shutting down", "engine_error", "engine_dead")
+            return
         try:
             params = SamplingParams(**req.sampling)
-        except ValueError as e:
+        except (TypeError, ValueError) as e:
             yield error_item(400, str(e), "invalid_request_error")
             return
         arrival = time.monotonic()
@@ -86,7 +178,9 @@ class EngineReplica:
         timeout_s = req.timeout_s or self.args.limits.request_timeout_s
         before_add = None
         if self.kv_sharing is not None and req.block_hashes:
-            plan = await self.kv_sharing.plan_import(len(req.prompt_token_ids), req.block_hashes)
+            plan = await _detached(
+                self.kv_sharing.plan_import(len(req.prompt_token_ids), req.block_hashes)
+            )
             if plan is not None:
                 sharing = self.kv_sharing
 
@@ -98,7 +192,7 @@ class EngineReplica:
             req.prompt_token_ids,
             params,
             priority=req.priority,
-            coalesce_s=self.coalesce_s,
+            coalesce_s=self.coalesce_s if req.stream else NON_STREAMING_COALESCE_S,
             before_add=before_add,
         )
         try:
@@ -113,7 +207,11 @@ class EngineReplica:
         except ValueError as e:
             yield error_item(400, str(e), "invalid_request_error")
         except EngineDeadError as e:
-            yield error_item(503, str(e), "engine_error", "engine_dead")
+            # Not retried elsewhere: this request may be what broke the engine.
+            yield error_item(503, str(e), "engine_error", "engine_failed")
+        except Exception as e:  # noqa: BLE001 - one request's failure must not look like a crash
+            logger.exception("request %s failed", req.request_id)
+            yield error_item(500, f"internal error: {type(e).__name__}", "internal_error")
         finally:
             await stream.aclose()
             if last is not None and last.finished and first_at is not None:
@@ -183,11 +281,24 @@ class EngineReplica:
     def check_health(self) -> None:
         self.async_engine.check_health()
 
+    def _on_engine_death(self, error: BaseException) -> None:
+        """Engine thread, after every stream got its error: take this replica down, so that
+        callers fail over at once and Serve starts a replacement. ``check_health`` fails in the
+        meantime, which Serve acts on too (more slowly)."""
+        logger.error("engine loop died (%r); replica %s exits", error, self.replica_id)
+        time.sleep(ENGINE_DEATH_GRACE_S)
+        try:
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        finally:
+            time.sleep(5.0)
+            os._exit(1)
+
     def _ensure_reporter(self) -> None:
         if self._reporter is None or self._reporter.done():
-            self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
+            self._reporter = _detached(self._report_loop())
         if self.kv_sharing is not None:
-            self.kv_sharing.start()
+            # Its publishing loop is created here: not inside this request's context.
+            contextvars.Context().run(self.kv_sharing.start)
 
     async def _report_loop(self) -> None:
         while True:
@@ -216,13 +327,14 @@ class EngineReplica:
     async def cluster_report(self) -> dict[str, dict[str, Any]]:
         """Every live replica's latest report (read from the registry)."""
         self._ensure_reporter()
-        await self._report_once()
-        return await self._registry.live.remote()
+        await _detached(self._report_once())
+        return await _detached(_call(lambda: self._registry.live.remote()))
 
     async def kv_directory_stats(self) -> dict[str, Any]:
         if self.kv_sharing is None:
             return {}
-        return await self.kv_sharing.directory.stats.remote()
+        directory = self.kv_sharing.directory
+        return await _detached(_call(lambda: directory.stats.remote()))
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

@@ -21,6 +21,8 @@ class EngineRequest:
     block_hashes: list[int] = field(default_factory=list)
     priority: int = 0
     timeout_s: float | None = None
+    # False when the client waits for the whole answer: the replica then sends few, large items.
+    stream: bool = True
 
 
 def error_item(status: int, message: str, type_: str, code: str | None = None) -> dict[str, Any]:

@@ -3,24 +3,46 @@
 It validates and tokenizes each request once, computes the prompt's chained block hashes (the
 request router on the engine handle reads them), and relays the engine's stream as SSE. Every
 error leaves as OpenAI-style JSON; nothing a client sends can crash it.
+
+Overload and faults:
+* at most ``limits.max_ongoing_per_ingress`` requests are in flight through one ingress replica
+  (a stream counts until it ends); beyond it, and when the engine handle's queue or an engine
+  replica is full, the answer is 429 with ``Retry-After``;
+* a request whose engine replica fails or is full before anything reached the client (the replica
+  died, it refused with 429, or its engine had died before the request got there) is retried on
+  another replica, up to ``MAX_ATTEMPTS`` in all; a non-streamed request is retried even after
+  tokens were produced, since none were sent. A stream that already started ends with an SSE
+  error event instead. A request that was running when its engine loop died is not retried (it
+  may be what broke it): it gets a 503.
 """
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import logging
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
 from pydantic import BaseModel, ValidationError
 from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from deployments.config import AppArgs
 from deployments.engine_request import EngineRequest
@@ -73,6 +95,116 @@ async def _validation_error(_: Request, e: RequestValidationError) -> JSONRespon
     return JSONResponse(error_body(str(e)), status_code=400)
 
 
+@app.exception_handler(Exception)
+async def _unexpected_error(_: Request, e: Exception) -> JSONResponse:
+    logger.exception("unhandled error in the ingress")
+    return JSONResponse(
+        error_body(f"internal error: {type(e).__name__}", "internal_error"), status_code=500
+    )
+
+
+# Attempts per request when its engine replica fails before anything reached the client.
+MAX_ATTEMPTS = 3
+RETRY_BACKOFF_S = 0.1
+
+
+class _RetryableError(Exception):
+    """An engine replica failed, or was full, before the client saw anything: try another
+    replica (after a pause when it failed). ``error`` is the answer if no attempt is left."""
+
+    def __init__(self, error: "HTTPError", backoff: bool = True) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.backoff = backoff
+
+
+REJECT_QUEUES = ("ingress", "engine_queue", "engine_replica")
+
+
+class IngressMetrics:
+    """Admission figures of one ingress replica, appended to ``/metrics``."""
+
+    def __init__(self, ingress_id: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, labels = self.registry, {"ingress": ingress_id}
+        self.in_flight = Gauge(
+            "prefixserve_ingress_requests_in_flight",
+            "Generation requests in flight through the ingress replica (streams until they end).",
+            ["ingress"],
+            registry=r,
+        ).labels(**labels)
+        self.in_flight_peak = Gauge(
+            "prefixserve_ingress_requests_in_flight_peak",
+            "Most generation requests in flight through the ingress replica at once.",
+            ["ingress"],
+            registry=r,
+        ).labels(**labels)
+        rejected = Counter(
+            "prefixserve_ingress_requests_rejected",
+            "Refusals for overload, by the queue that was full: ingress (this replica's in-flight "
+            "limit) and engine_queue (the engine handle's queue) answer 429; engine_replica (an "
+            "engine replica at its limit) is retried on another replica first.",
+            ["ingress", "queue"],
+            registry=r,
+        )
+        self.rejected = {q: rejected.labels(queue=q, **labels) for q in REJECT_QUEUES}
+        self.retries = Counter(
+            "prefixserve_ingress_engine_retries",
+            "Requests re-sent to another engine replica after one failed before any output.",
+            ["ingress"],
+            registry=r,
+        ).labels(**labels)
+        self.peak = 0
+        self.in_flight.set(0)
+        self.in_flight_peak.set(0)
+
+    def set_in_flight(self, n: int) -> None:
+        self.in_flight.set(n)
+        if n > self.peak:
+            self.peak = n
+            self.in_flight_peak.set(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Lease:
+    """A request's slot in the ingress's in-flight count and its engine stream.
+
+    ``release`` is idempotent and runs exactly once in effect: from the route when the response
+    is complete, else from the SSE generator's ``finally`` or the streaming response's own
+    ``finally`` (which also covers a client gone before the generator started), or at worst when
+    the response object is collected. An unfinished engine stream is cancelled, so the engine
+    aborts the request and frees its blocks."""
+
+    def __init__(self, ingress: "Ingress") -> None:
+        self.ingress = ingress
+        self.stream: Any = None
+        self.finished = False
+        self.released = False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        if self.stream is not None and not self.finished:
+            self.stream.cancel()
+        self.ingress.set_in_flight(self.ingress.inflight - 1)
+
+
+class _LeasedStreamingResponse(StreamingResponse):
+    def __init__(self, content: AsyncIterator[bytes], lease: _Lease, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.lease = lease
+        weakref.finalize(self, lease.release)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.lease.release()
+
+
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     err = e.errors()[0]
     loc = [str(x) for x in err.get("loc", ()) if not isinstance(x, int)]
@@ -81,6 +213,16 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     return (f"{where}: {err.get('msg')}" if where else str(err.get("msg"))), param
 
 
+def _item_error(item: dict[str, Any], retry_after: dict[str, str]) -> HTTPError:
+    err = item["error"]
+    headers = retry_after if err["status"] in (429, 503) else None
+    return HTTPError(
+        err["status"], err["message"], err["type"], code=err.get("code"), headers=headers
+    )
+
+
+# Everything the class below uses must be defined above it: ``serve.ingress`` copies the class
+# when it is decorated, with the module's globals as they are at that point.
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
@@ -98,17 +240,45 @@ class Ingress:
         self.hash_salt = self.args.model
         self.model_name = self.args.model_name
         self.api_key = self.args.resolved_api_key()
+        self.retry_after = {"Retry-After": str(self.args.limits.retry_after_s)}
         self.inflight = 0
+        self.ingress_metrics = IngressMetrics(serve.get_replica_context().replica_id.unique_id)
+
+    def set_in_flight(self, n: int) -> None:
+        self.inflight = n
+        self.ingress_metrics.set_in_flight(n)
 
     # -- guards ----------------------------------------------------------------------------------
     def _check_auth(self, request: Request) -> None:
         if not self.api_key:
             return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {self.api_key}":
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # Constant-time comparison: the key must not leak through response timing.
+        valid = hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        if scheme.lower() != "bearer" or not valid:
             raise HTTPError(
-                401, "missing or invalid API key", "authentication_error", code="invalid_api_key"
+                401,
+                "missing or invalid API key",
+                "authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
             )
+
+    def _overloaded(self, what: str, queue: str) -> HTTPError:
+        self.ingress_metrics.rejected[queue].inc()
+        return HTTPError(
+            429,
+            f"server overloaded: {what}; retry later",
+            "overloaded_error",
+            code="overloaded",
+            headers=self.retry_after,
+        )
+
+    def _check_capacity(self) -> None:
+        """Cheap early refusal, before the body is read or tokenized."""
+        limit = self.args.limits.max_ongoing_per_ingress
+        if self.inflight >= limit:
+            raise self._overloaded(f"{self.inflight} requests in flight (limit {limit})", "ingress")
 
     async def _read_json(self, request: Request) -> Any:
         limit = self.args.limits.max_body_bytes
@@ -124,7 +294,8 @@ class Ingress:
                 )
         try:
             return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        # ValueError covers integers too long to convert; RecursionError, deep nesting.
+        except (ValueError, RecursionError) as e:
             raise HTTPError(400, f"body is not valid JSON: {e}") from e
 
     def _parse(self, model: type[BaseModel], body: Any) -> Any:
@@ -156,7 +327,10 @@ class Ingress:
             raise HTTPError(
                 400, "prompt: this model has no tokenizer; send token ids", param="prompt"
             )
-        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        try:
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        except Exception as e:  # noqa: BLE001 - e.g. lone surrogates: the client's input
+            raise HTTPError(400, f"prompt: cannot be tokenized: {e}", param="prompt") from e
 
     def _chat_tokens(self, req: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -201,11 +375,13 @@ class Ingress:
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         self._check_auth(request)
+        self._check_capacity()
         req = self._parse(CompletionRequest, await self._read_json(request))
         self._check_model(req.model)
         try:
             prompt_ids = self._tokenize(req.single_prompt())
-            params = req.to_sampling_params(default_max_tokens=16)
+            # OpenAI's default for completions, within the configured limit.
+            params = req.to_sampling_params(default_max_tokens=min(16, self.args.limits.max_tokens))
         except ProtocolError as e:
             raise HTTPError(400, str(e), param=e.param) from e
         self._check_lengths(prompt_ids, params.max_tokens, "max_tokens")
@@ -217,6 +393,7 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         self._check_auth(request)
+        self._check_capacity()
         req = self._parse(ChatCompletionRequest, await self._read_json(request))
         self._check_model(req.model)
         prompt_ids = self._chat_tokens(req)
@@ -283,21 +460,14 @@ class Ingress:
             reports = await asyncio.wait_for(self.engine.cluster_report.remote(), timeout=10.0)
         except Exception as e:  # noqa: BLE001
             raise HTTPError(503, f"metrics unavailable: {e!r}", "service_unavailable") from e
-        text = render(r["metrics"] for r in reports.values())
+        text = render(r["metrics"] for r in reports.values()) + self.ingress_metrics.render()
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     # -- generation ------------------------------------------------------------------------------
     async def _generate(
         self, req: Any, prompt_ids: list[int], params: Any, builder: ResponseBuilder
     ) -> Response:
-        if self.inflight >= self.args.limits.max_ongoing_per_ingress:
-            raise HTTPError(
-                429,
-                "server overloaded: too many requests in flight",
-                "overloaded_error",
-                code="overloaded",
-                headers={"Retry-After": "1"},
-            )
+        self._check_capacity()  # again: the body was read since, other requests came in
         engine_req = EngineRequest(
             request_id=builder.id,
             prompt_token_ids=prompt_ids,
@@ -305,106 +475,104 @@ class Ingress:
             block_hashes=compute_block_hashes(prompt_ids, self.block_size, self.hash_salt),
             priority=req.priority,
             timeout_s=self.args.limits.request_timeout_s,
+            stream=bool(req.stream),
         )
-        self.inflight += 1
-        stream = self.engine.options(stream=True).generate.remote(engine_req)
+        # No await between the check above and this count: admission is atomic.
+        self.set_in_flight(self.inflight + 1)
+        lease = _Lease(self)
         handed_off = False
+        attempt = 1
         try:
-            first = await self._first_item(stream)
-            headers = {"x-engine-replica": first["replica_id"]}
-            if req.stream:
-                handed_off = True
-                return StreamingResponse(
-                    self._sse(stream, first, builder, req.include_usage),
-                    media_type="text/event-stream",
-                    headers=headers,
-                )
-            items = [first]
-            while not items[-1]["finished"]:
-                item = await stream.__anext__()
-                if "error" in item:
-                    raise _item_error(item)
-                items.append(item)
-            return JSONResponse(builder.full(items), headers=headers)
-        except StopAsyncIteration as e:
-            raise HTTPError(500, "engine stream ended early", "engine_error") from e
+            while True:
+                lease.stream = self.engine.options(stream=True).generate.remote(engine_req)
+                try:
+                    first = await self._next_item(lease.stream)
+                    headers = {"x-engine-replica": first["replica_id"]}
+                    if req.stream:
+                        handed_off = True
+                        return _LeasedStreamingResponse(
+                            self._sse(lease, first, builder, req.include_usage),
+                            lease,
+                            media_type="text/event-stream",
+                            headers=headers,
+                        )
+                    items = await self._collect(lease.stream, first)
+                except _RetryableError as e:
+                    lease.stream.cancel()
+                    logger.warning("engine attempt %d failed: %s", attempt, e)
+                    if attempt == MAX_ATTEMPTS:
+                        raise e.error from e
+                    self.ingress_metrics.retries.inc()
+                    if e.backoff:
+                        await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+                    attempt += 1
+                    continue
+                lease.finished = True
+                return JSONResponse(builder.full(items), headers=headers)
         finally:
             if not handed_off:
-                stream.cancel()
-                self.inflight -= 1
+                lease.release()
 
-    async def _first_item(self, stream: Any) -> dict[str, Any]:
+    async def _next_item(self, stream: Any) -> dict[str, Any]:
+        """The stream's next item; an engine failure becomes ``HTTPError`` or, when another
+        replica may succeed, ``_RetryableError``."""
         try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            raise
+            item = await stream.__anext__()
+        except StopAsyncIteration as e:
+            raise _RetryableError(self._unavailable("engine stream ended early")) from e
+        except BackPressureError as e:
+            raise self._overloaded("engine queue is full", "engine_queue") from e
+        except RayActorError as e:
+            # The replica died (or is unreachable): Serve routes the retry elsewhere.
+            raise _RetryableError(self._unavailable(f"engine replica failed: {e!r}")) from e
         except Exception as e:
-            name = type(e).__name__
-            if "BackPressure" in name:
-                raise HTTPError(
-                    429,
-                    "server overloaded: engine queue is full",
-                    "overloaded_error",
-                    code="overloaded",
-                    headers={"Retry-After": "1"},
-                ) from e
             logger.warning("engine call failed: %r", e)
-            raise HTTPError(
-                503,
-                f"engine unavailable: {name}",
-                "service_unavailable",
-                code="engine_unavailable",
-                headers={"Retry-After": "1"},
-            ) from e
-        if "error" in first:
-            raise _item_error(first)
-        return first
+            raise self._unavailable(f"engine unavailable: {type(e).__name__}") from e
+        if "error" in item:
+            err = item["error"]
+            if err.get("code") == "engine_dead":  # never reached a working engine
+                raise _RetryableError(self._unavailable(err["message"]))
+            if err["status"] == 429:
+                # The router's view of replica load lags; another replica may have room.
+                self.ingress_metrics.rejected["engine_replica"].inc()
+                raise _RetryableError(_item_error(item, self.retry_after), backoff=False)
+            raise _item_error(item, self.retry_after)
+        return item
+
+    def _unavailable(self, message: str) -> HTTPError:
+        return HTTPError(
+            503, message, "service_unavailable", code="engine_unavailable", headers=self.retry_after
+        )
+
+    async def _collect(self, stream: Any, first: dict[str, Any]) -> list[dict[str, Any]]:
+        items = [first]
+        while not items[-1]["finished"]:
+            items.append(await self._next_item(stream))
+        return items
 
     async def _sse(
-        self, stream: Any, first: dict[str, Any], builder: ResponseBuilder, include_usage: bool
+        self, lease: _Lease, first: dict[str, Any], builder: ResponseBuilder, include_usage: bool
     ) -> AsyncIterator[bytes]:
-        finished = False
         try:
             if builder.chat:
                 yield sse(builder.role_chunk())
             item = first
             while True:
-                if "error" in item:
-                    err = item["error"]
-                    yield sse(error_body(err["message"], err["type"], code=err.get("code")))
-                    break
                 if item["text"] or item["finished"] or item.get("logprobs"):
                     yield sse(builder.chunk(item))
                 if item["finished"]:
-                    finished = True
+                    lease.finished = True
                     if include_usage:
                         yield sse(builder.usage_chunk(item))
                     break
                 try:
-                    item = await stream.__anext__()
-                except StopAsyncIteration:
-                    yield sse(error_body("engine stream ended early", "engine_error"))
-                    break
-                except Exception as e:  # noqa: BLE001 - a dead replica ends the stream with an error
-                    logger.warning("engine stream failed: %r", e)
-                    yield sse(
-                        error_body(
-                            f"engine failed mid-stream: {type(e).__name__}",
-                            "engine_error",
-                            code="engine_unavailable",
-                        )
-                    )
+                    item = await self._next_item(lease.stream)
+                except (HTTPError, _RetryableError) as e:
+                    # Tokens already went out: the stream ends with an error event.
+                    err = e.error if isinstance(e, _RetryableError) else e
+                    logger.warning("engine stream failed: %s", err)
+                    yield sse(error_body(str(err), err.type, err.param, err.code))
                     break
             yield b"data: [DONE]\n\n"
         finally:
-            if not finished:
-                stream.cancel()
-            self.inflight -= 1
-
-
-def _item_error(item: dict[str, Any]) -> HTTPError:
-    err = item["error"]
-    headers = {"Retry-After": "1"} if err["status"] in (429, 503) else None
-    return HTTPError(
-        err["status"], err["message"], err["type"], code=err.get("code"), headers=headers
-    )
+            lease.release()

@@ -8,11 +8,17 @@ path.
 
 Results reach the event loop once per engine step (one ``call_soon_threadsafe`` carrying every
 delta of the step), not once per token.
+
+Failure: if ``step()`` (or any command) raises, the loop stops for good. ``error`` is set and every
+registered stream and every pending ``call`` future receive ``EngineDeadError`` in the same
+critical section (under ``_lock``), and nothing registers after it, so no caller waits forever on
+a dead engine. ``check_health`` then raises, which is what the serving layer reports to Serve.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -46,9 +52,15 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
+        # Futures of ``call`` commands not yet run; failed if the loop dies first.
+        self._pending_calls: set[asyncio.Future] = set()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        # Set once, under ``_lock``, when the loop dies.
         self.error: BaseException | None = None
+        # Called once on the engine thread, after every waiter was failed, when the loop died of
+        # an exception (not on shutdown): the owner may take the process down.
+        self.on_death: Callable[[BaseException], None] | None = None
         self.last_step_at = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -62,6 +74,11 @@ class AsyncEngine:
         self._commands.put(lambda: None)
         if self._thread is not None:
             self._thread.join(timeout)
+
+    @property
+    def num_streams(self) -> int:
+        """Requests between ``generate`` and the end of their stream (admitted or in transit)."""
+        return len(self._streams)
 
     @property
     def is_alive(self) -> bool:
@@ -90,12 +107,15 @@ class AsyncEngine:
 
         The first token goes out alone and at once; after it, deltas that arrive within
         ``coalesce_s`` of the previous batch are merged into one, since every item that crosses a
-        process boundary costs CPU.
+        process boundary costs CPU. The final delta ends a batch at once.
         """
         self.check_health()
         request = self.engine.make_request(request_id, prompt, params, priority=priority)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
+            # Checked again under the lock: a stream registered after the loop died would never
+            # be failed by it.
+            self._raise_if_dead()
             if request_id in self._streams:
                 raise ValueError(f"request_id: {request_id!r} is already running")
             self._streams[request_id] = stream
@@ -106,17 +126,21 @@ class AsyncEngine:
                     before_add(request)
                 self.engine.add_prepared_request(request)
             except Exception as e:  # noqa: BLE001 - belongs to this request only
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+                _post(stream.loop, stream.queue.put_nowait, e)
 
         self._commands.put(add)
         last_yield: float | None = None
         try:
             while True:
                 batch = [await stream.queue.get()]
-                if last_yield is not None and coalesce_s > 0 and not _ends(batch):
-                    wait = coalesce_s - (time.monotonic() - last_yield)
-                    if wait > 0:
-                        await asyncio.sleep(wait)
+                if last_yield is not None and coalesce_s > 0:
+                    # Gather until the window closes, but never hold back the final delta.
+                    deadline = last_yield + coalesce_s
+                    while not _ends(batch) and (remaining := deadline - time.monotonic()) > 0:
+                        try:
+                            batch.append(await asyncio.wait_for(stream.queue.get(), remaining))
+                        except TimeoutError:
+                            break
                 while not _ends(batch) and not stream.queue.empty():
                     batch.append(stream.queue.get_nowait())
                 error = next((b for b in batch if isinstance(b, BaseException)), None)
@@ -143,15 +167,24 @@ class AsyncEngine:
         fut: asyncio.Future = loop.create_future()
 
         def run() -> None:
+            with self._lock:
+                self._pending_calls.discard(fut)
             try:
                 result = fn(self.engine)
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
-                loop.call_soon_threadsafe(_set_exception, fut, e)
+                _post(loop, _set_exception, fut, e)
             else:
-                loop.call_soon_threadsafe(_set_result, fut, result)
+                _post(loop, _set_result, fut, result)
 
+        with self._lock:
+            self._raise_if_dead()
+            self._pending_calls.add(fut)
         self._commands.put(run)
         return fut
+
+    def _raise_if_dead(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop died: {self.error!r}") from self.error
 
     # -- the loop --------------------------------------------------------------------------------
     def _drain_commands(self, block: bool) -> None:
@@ -181,10 +214,12 @@ class AsyncEngine:
                 self.last_step_at = time.monotonic()
                 if deltas:
                     self._dispatch(deltas)
+            self._fail_all(RuntimeError("engine shut down"))
         except BaseException as e:  # noqa: BLE001 - the loop must report, not vanish
             logger.exception("engine loop died")
-            self.error = e
-            self._fail_all(EngineDeadError(f"engine loop died: {e!r}"))
+            self._fail_all(e)
+            if self.on_death is not None:
+                self.on_death(e)
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestDelta]]] = {}
@@ -194,13 +229,26 @@ class AsyncEngine:
                 if stream is not None:
                     by_loop.setdefault(stream.loop, []).append((stream.queue, d))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            _post(loop, _put_all, items)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self, cause: BaseException) -> None:
         with self._lock:
+            self.error = cause
             streams = list(self._streams.values())
+            calls = list(self._pending_calls)
+            self._pending_calls.clear()
+        error = EngineDeadError(f"engine loop died: {cause!r}")
         for stream in streams:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            _post(stream.loop, stream.queue.put_nowait, error)
+        for fut in calls:
+            _post(fut.get_loop(), _set_exception, fut, error)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn(*args)`` on ``loop``; a closed loop (its owner is gone) must not take the engine
+    thread down with it."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
 
 
 def _ends(batch: list[Any]) -> bool:
