@@ -42,7 +42,9 @@ class IncrementalDetokenizer:
         if self._backend is not None:
             from tokenizers.decoders import DecodeStream
 
-            self._stream = DecodeStream(ids=context or None, skip_special_tokens=skip_special_tokens)
+            self._stream = DecodeStream(
+                ids=context or None, skip_special_tokens=skip_special_tokens
+            )
         self._fallback_prefix = 0
         self._fallback_read = len(context)
 

@@ -67,8 +67,7 @@ DEPLOYMENT_DIFFERENCES: dict[str, dict[str, set[str]]] = {
     "cpu": {"Ingress": set(), "Engine": _AUTOSCALING | {"ray_actor_options.num_cpus"}},
     "gpu": {
         "Ingress": set(),
-        "Engine": _AUTOSCALING
-        | {"ray_actor_options.num_cpus", "ray_actor_options.num_gpus", "max_ongoing_requests"},
+        "Engine": _AUTOSCALING | {"ray_actor_options.num_cpus", "ray_actor_options.num_gpus"},
     },
 }
 
@@ -226,8 +225,8 @@ TYPOS = [
     ("rename", f"{_ENGINE}.ray_actor_options.num_cpus", "num_cpu", None),
     (
         "rename",
-        "serve:applications.0.deployments.name=Ingress.max_ongoing_requests",
-        "max_ongoing",
+        "serve:applications.0.deployments.name=Ingress.ray_actor_options.num_cpus",
+        "num_cpu",
         None,
     ),
     ("set", f"{_ENGINE}.autoscaling_config.min_replicas", -1, "min_replicas"),
@@ -343,7 +342,10 @@ def test_autoscaling_is_consistent(variant: str) -> None:
     auto, actor = engine["autoscaling_config"], engine["ray_actor_options"]
     initial = auto.get("initial_replicas", auto["min_replicas"])
     assert 1 <= auto["min_replicas"] <= initial <= auto["max_replicas"]
-    assert auto["target_ongoing_requests"] <= engine["max_ongoing_requests"]
+    # Serve's max_ongoing_requests is derived from the admission limits (deployments/app.py).
+    args = serve_config(manifest)["applications"][0]["args"]
+    capacity = args["engine"]["max_num_seqs"] + args["limits"]["max_waiting_per_replica"]
+    assert auto["target_ongoing_requests"] <= capacity
 
     group = _worker_group(manifest)
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]

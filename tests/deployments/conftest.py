@@ -70,7 +70,11 @@ def deploy(
         AppArgs.model_validate(args),
         engine_options={
             # An autoscaling_config in engine_options replaces the fixed replica count.
-            **({} if "autoscaling_config" in (engine_options or {}) else {"num_replicas": num_replicas}),
+            **(
+                {}
+                if "autoscaling_config" in (engine_options or {})
+                else {"num_replicas": num_replicas}
+            ),
             "ray_actor_options": {"num_cpus": engine_num_cpus},
             **(engine_options or {}),
         },
