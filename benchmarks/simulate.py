@@ -63,7 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     t = p.add_argument_group("trace (scaled exactly as benchmarks.serve --workload trace)")
-    t.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL trace")
+    t.add_argument("--trace", type=Path, default=None, help="Mooncake-format JSONL trace")
+    t.add_argument("--live-json", type=Path, default=None,
+                   help="a live `benchmarks.serve --workload trace --output-json` result: replay "
+                   "its trace with its scaling flags and report both hit ratios")  # fmt: skip
     t.add_argument("--block-tokens", type=int, default=16,
                    help="tokens per trace hash id; also the simulated KV block size")  # fmt: skip
     t.add_argument("--time-scale", type=float, default=1.0,
@@ -125,9 +128,46 @@ def _profile(args: argparse.Namespace) -> Profile:
     return profile
 
 
+# benchmarks.serve option -> this command's option, for --live-json.
+_LIVE_TRACE_FLAGS = {
+    "trace_path": "trace",
+    "trace_block_tokens": "block_tokens",
+    "trace_output_scale": "output_scale",
+    "max_output_len": "max_output_len",
+    "max_input_len": "max_input_len",
+    "time_scale": "time_scale",
+    "trace_limit": "trace_limit",
+    "trace_offset": "trace_offset",
+}
+
+
+def apply_live_config(args: argparse.Namespace) -> dict[str, Any]:
+    """Take the trace and its scaling from a live run's JSON (``benchmarks.serve
+    --output-json``); returns the live summary. Warns when the live run did not follow the trace's
+    own timing or exact output lengths, which the simulator assumes."""
+    document = json.loads(args.live_json.read_text())
+    config, summary = document["config"], document["summary"]
+    if config.get("workload") != "trace":
+        raise SystemExit(f"{args.live_json}: not a trace workload run")
+    for live_key, own_key in _LIVE_TRACE_FLAGS.items():
+        if live_key in config:
+            value = config[live_key]
+            setattr(args, own_key, Path(value) if own_key == "trace" else value)
+    if config.get("concurrency") or config.get("request_rate") is not None:
+        print("warning: the live run limited concurrency or set its own request rate; the "
+              "simulator follows the trace's timestamps", file=sys.stderr)  # fmt: skip
+    if not config.get("ignore_eos"):
+        print("warning: the live run did not use --ignore-eos: output lengths may differ",
+              file=sys.stderr)  # fmt: skip
+    return summary
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     started = time.perf_counter()
+    live = apply_live_config(args) if args.live_json is not None else None
+    if args.trace is None:
+        raise SystemExit("--trace (or --live-json) is required")
     profile = _profile(args)
     specs = load_trace(
         args.trace,
@@ -177,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 run["hit_ratio_vs_ideal"] = (
                     run["hit_ratio"] / run["ideal_hit_ratio"] if run["ideal_hit_ratio"] else None
                 )
+                if live is not None and live.get("prefix_cache_hit_ratio"):
+                    run["hit_ratio_vs_live"] = run["hit_ratio"] / live["prefix_cache_hit_ratio"]
                 runs.append(run)
                 if not args.quiet:
                     print(_one_line(run), file=sys.stderr, flush=True)
@@ -206,6 +248,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "wall_s": time.perf_counter() - started,
         "runs": [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs],
     }
+    if live is not None:
+        document["live"] = {
+            "source": str(args.live_json),
+            "hit_ratio": live.get("prefix_cache_hit_ratio"),
+            "completed": live.get("completed"),
+            "ttft_ms": live.get("ttft_ms"),
+            "e2e_latency_ms": live.get("e2e_latency_ms"),
+            "replicas": live.get("replicas"),
+        }
+        if not args.quiet:
+            ratio = live.get("prefix_cache_hit_ratio")
+            print(f"live hit ratio: {ratio if ratio is None else round(ratio, 4)}", file=sys.stderr)
     text = json.dumps(document)
     if args.output_json is not None:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
@@ -221,9 +275,10 @@ def _one_line(run: dict[str, Any]) -> str:
         f"(ideal {run['ideal_hit_ratio']:.3f}, {run['hit_ratio_vs_ideal']:.1%}) "
         f"TTFT p50/p99 {run['ttft_ms']['p50']:.0f}/{run['ttft_ms']['p99']:.0f} ms  "
         f"E2E p50/p99 {run['e2e_ms']['p50']:.0f}/{run['e2e_ms']['p99']:.0f} ms  "
-        f"{run['request_throughput']:.2f} req/s  busy max/mean "
+        f"{run['request_throughput']:.2f} req/s  util {run['utilization']['mean']:.2f}  busy max/mean "
         f"{run['busy_s_per_replica']['max_over_mean']:.2f}  reqs max/mean "
         f"{run['requests_per_replica']['max_over_mean']:.2f}  [{run['sim_wall_s']:.1f} s]"
+        + (f"  sim/live hit {run['hit_ratio_vs_live']:.3f}" if "hit_ratio_vs_live" in run else "")
     )
 
 

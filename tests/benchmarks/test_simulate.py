@@ -282,3 +282,34 @@ def test_command_line_sweep_writes_json_and_plot(
     with pytest.raises(ValueError, match="unknown router option"):
         simulate.main(["--trace", str(trace), "--profile", str(profile),
                        "--router-config", '{"load_cost": 2}', "--quiet"])  # fmt: skip
+
+
+def test_live_json_sets_the_same_scaling(tmp_path: Path) -> None:
+    records = [_record(100 * i, [i % 3, 10 + i % 3, 1000 + i], out=50) for i in range(20)]
+    trace = _write_trace(tmp_path / "t.jsonl", records)
+    profile = tmp_path / "p.json"
+    PROFILE.save(profile)
+    live = tmp_path / "live.json"
+    config = {
+        "workload": "trace",
+        "trace_path": str(trace),
+        "trace_block_tokens": 8,
+        "trace_output_scale": 1.0,
+        "max_output_len": 5,
+        "max_input_len": None,
+        "time_scale": 0.5,
+        "trace_limit": 12,
+        "trace_offset": 3,
+        "concurrency": None,
+        "request_rate": None,
+        "ignore_eos": True,
+    }
+    live.write_text(json.dumps({"config": config, "summary": {"prefix_cache_hit_ratio": 0.4}}))
+    doc = simulate.main(
+        ["--live-json", str(live), "--replicas", "2", "--profile", str(profile), "--quiet"]
+    )
+    assert doc["num_requests"] == 12 and doc["block_tokens"] == 8 and doc["time_scale"] == 0.5
+    (run,) = doc["runs"]
+    assert run["output_tokens"] == 12 * 5
+    assert doc["live"]["hit_ratio"] == 0.4
+    assert run["hit_ratio_vs_live"] == pytest.approx(run["hit_ratio"] / 0.4)
