@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="override the profile's token budget")  # fmt: skip
     c.add_argument("--max-num-seqs", type=int, default=None)
+    c.add_argument("--slowdown", type=float, default=1.0,
+                   help="multiply every step and transfer time (a machine busier than when the "
+                   "profile was measured)")  # fmt: skip
     c.add_argument("--seed", type=int, default=0)
 
     o = p.add_argument_group("output")
@@ -123,6 +126,10 @@ def _profile(args: argparse.Namespace) -> Profile:
         changes["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.max_num_seqs is not None:
         changes["max_num_seqs"] = args.max_num_seqs
+    if args.slowdown != 1.0:
+        changes["step"] = {k: v * args.slowdown for k, v in profile.step.__dict__.items()}
+        changes["transfer_base_s"] = profile.transfer_base_s * args.slowdown
+        changes["transfer_block_s"] = profile.transfer_block_s * args.slowdown
     if changes:
         profile = Profile.from_json({**profile.to_json(), **changes})
     return profile

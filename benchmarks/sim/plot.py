@@ -67,22 +67,31 @@ def plot_sweep(runs: Sequence[dict[str, Any]], path: str | Path, title: str) -> 
     for run in runs:
         groups.setdefault(_label(run), []).append(run)
     ideal_drawn = False
-    for label, group in groups.items():
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, group) in enumerate(groups.items()):
         group = sorted(group, key=lambda r: r["replicas"])
         n = [r["replicas"] for r in group]
-        axes[0][0].plot(n, [r["hit_ratio"] for r in group], "o-", label=label)
+        c = colors[i % len(colors)]
+        axes[0][0].plot(n, [r["hit_ratio"] for r in group], "o-", color=c, label=label)
         if not ideal_drawn:
-            axes[0][0].plot(n, [r["ideal_hit_ratio"] for r in group], "k--", label="ideal cache")
+            axes[0][0].plot(
+                n, [r["ideal_hit_ratio"] for r in group], "k:", lw=2, label="ideal cache"
+            )
             ideal_drawn = True
-        axes[0][1].plot(n, [r["ttft_ms"]["p50"] for r in group], "o-", label=f"{label} p50")
-        axes[0][1].plot(n, [r["ttft_ms"]["p99"] for r in group], "s--", label=f"{label} p99")
-        axes[1][0].plot(n, [r["token_throughput"] for r in group], "o-", label=label)
+        # One colour per policy: p50 solid, p99 dashed.
+        axes[0][1].plot(n, [r["ttft_ms"]["p50"] for r in group], "o-", color=c, label=label)
+        axes[0][1].plot(n, [r["ttft_ms"]["p99"] for r in group], "s--", color=c)
+        axes[1][0].plot(n, [r["token_throughput"] for r in group], "o-", color=c, label=label)
         axes[1][1].plot(
-            n, [r["busy_s_per_replica"]["max_over_mean"] for r in group], "o-", label=label
+            n,
+            [r["busy_s_per_replica"]["max_over_mean"] for r in group],
+            "o-",
+            color=c,
+            label=label,
         )
     for ax, ylabel in (
         (axes[0][0], "prefix cache hit ratio"),
-        (axes[0][1], "TTFT (ms)"),
+        (axes[0][1], "TTFT (ms): p50 solid, p99 dashed"),
         (axes[1][0], "tokens/s (prompt + output)"),
         (axes[1][1], "busy time max / mean"),
     ):
@@ -92,6 +101,9 @@ def plot_sweep(runs: Sequence[dict[str, Any]], path: str | Path, title: str) -> 
         ax.legend(fontsize=8)
     axes[0][1].set_yscale("log")
     axes[0][0].set_ylim(0, 1)
+    top = max((r["token_throughput"] for r in runs), default=1.0)
+    axes[1][0].set_ylim(0, 1.2 * top)
+    axes[1][1].set_ylim(bottom=1)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -313,3 +313,8 @@ def test_live_json_sets_the_same_scaling(tmp_path: Path) -> None:
     assert run["output_tokens"] == 12 * 5
     assert doc["live"]["hit_ratio"] == 0.4
     assert run["hit_ratio_vs_live"] == pytest.approx(run["hit_ratio"] / 0.4)
+    # A slower machine: every step takes twice as long, so (with this light load) TTFT doubles.
+    common = ["--live-json", str(live), "--replicas", "2", "--profile", str(profile), "--quiet"]
+    slow = simulate.main([*common, "--slowdown", "2"])
+    fast = simulate.main(common)
+    assert slow["runs"][0]["ttft_ms"]["p50"] == pytest.approx(2 * fast["runs"][0]["ttft_ms"]["p50"])
