@@ -201,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--time-scale", type=float, default=1.0,
                    help="trace: arrival = timestamp * time-scale (0.1 = 10x faster)")  # fmt: skip
     w.add_argument("--trace-limit", type=int, default=None, help="trace: first N records")
+    w.add_argument("--trace-offset", type=int, default=0,
+                   help="trace: skip the first N records (arrivals start at the next one)")  # fmt: skip
 
     o = p.add_argument_group("output")
     o.add_argument("--output-json", type=Path, default=None, help="write summary and config here")
@@ -240,6 +242,7 @@ def make_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
             max_output_len=args.max_output_len,
             time_scale=args.time_scale,
             limit=args.trace_limit,
+            offset=args.trace_offset,
             max_input_len=args.max_input_len,
             vocab_size=args.vocab_size,
             seed=args.seed,

@@ -210,12 +210,73 @@ def hash_id_block(
     return hash_id_blocks([hash_id], block_tokens, vocab_size=vocab_size, seed=seed)[0].tolist()
 
 
+def trace_slice(path: str | Path, *, offset: int = 0, limit: int | None = None) -> list[dict]:
+    """Records ``offset`` to ``offset + limit`` of a trace. With ``offset > 0`` their timestamps
+    are shifted so that the first kept record arrives at 0 (a slice from the middle of a trace
+    starts at once)."""
+    if offset < 0:
+        raise ValueError(f"offset: must be >= 0, got {offset}")
+    stop = None if limit is None else offset + limit
+    records = list(itertools.islice(read_trace(path), offset, stop))
+    if offset and records:
+        start = records[0]["timestamp"]
+        records = [{**r, "timestamp": r["timestamp"] - start} for r in records]
+    return records
+
+
 def read_trace(path: str | Path) -> Iterator[dict]:
     """The raw records of a Mooncake-format JSONL trace, in file order (blank lines skipped)."""
     with open(path, encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 yield json.loads(line)
+
+
+@dataclass(frozen=True)
+class ScaledTraceRecord:
+    """The shape of one trace record after scaling (see :func:`trace_requests` for the rules):
+    ``prompt_len`` tokens made of the blocks of ``hash_ids`` (``block_tokens`` each, the last one
+    possibly partial), ``output_len`` tokens to generate, ``arrival_time`` in seconds."""
+
+    prompt_len: int
+    output_len: int
+    arrival_time: float
+    hash_ids: tuple[int, ...]
+
+
+def scale_trace_shape(
+    record: dict,
+    *,
+    block_tokens: int = 16,
+    output_scale: float = 1.0,
+    max_output_len: int | None = 128,
+    time_scale: float = 1.0,
+    max_input_len: int | None = None,
+) -> ScaledTraceRecord:
+    """Lengths, arrival and blocks of one scaled record, without generating token ids. The live
+    replay (:func:`scale_trace_record`) and the simulator (``benchmarks.sim``) both use it, so they
+    scale a trace identically."""
+    hash_ids = [int(h) for h in record["hash_ids"]]
+    input_length = int(record["input_length"])
+    if not hash_ids or input_length < 1:
+        raise ValueError(f"trace record without input: {record!r}")
+    # input_length lies in ((n-1)*512, n*512] for n hash ids, so the ceiling lies in
+    # ((n-1)*B, n*B]: every hash id keeps at least one token and only the last block is partial.
+    scaled_len = min(
+        len(hash_ids) * block_tokens, math.ceil(input_length * block_tokens / TRACE_BLOCK_SIZE)
+    )
+    if max_input_len is not None:
+        scaled_len = min(scaled_len, max_input_len)
+    used = hash_ids[: math.ceil(scaled_len / block_tokens)]
+    output_len = max(1, round(int(record["output_length"]) * output_scale))
+    if max_output_len is not None:
+        output_len = min(output_len, max_output_len)
+    return ScaledTraceRecord(
+        prompt_len=scaled_len,
+        output_len=output_len,
+        arrival_time=float(record["timestamp"]) / 1000.0 * time_scale,
+        hash_ids=tuple(used),
+    )
 
 
 def scale_trace_record(
@@ -235,34 +296,27 @@ def scale_trace_record(
     ``block_cache`` (hash id -> tokens) memoises :func:`hash_id_block` across records; it must
     only be shared between calls with the same ``block_tokens``, ``vocab_size`` and ``seed``.
     """
-    hash_ids = [int(h) for h in record["hash_ids"]]
-    input_length = int(record["input_length"])
-    if not hash_ids or input_length < 1:
-        raise ValueError(f"trace record without input: {record!r}")
-    # input_length lies in ((n-1)*512, n*512] for n hash ids, so the ceiling lies in
-    # ((n-1)*B, n*B]: every hash id keeps at least one token and only the last block is partial.
-    scaled_len = min(
-        len(hash_ids) * block_tokens, math.ceil(input_length * block_tokens / TRACE_BLOCK_SIZE)
+    shape = scale_trace_shape(
+        record,
+        block_tokens=block_tokens,
+        output_scale=output_scale,
+        max_output_len=max_output_len,
+        time_scale=time_scale,
+        max_input_len=max_input_len,
     )
-    if max_input_len is not None:
-        scaled_len = min(scaled_len, max_input_len)
-    used = hash_ids[: math.ceil(scaled_len / block_tokens)]
     ids: list[int] = []
-    for h in used:
+    for h in shape.hash_ids:
         block = block_cache.get(h) if block_cache is not None else None
         if block is None:
             block = hash_id_block(h, block_tokens, vocab_size=vocab_size, seed=seed)
             if block_cache is not None:
                 block_cache[h] = block
         ids.extend(block)
-    output_len = max(1, round(int(record["output_length"]) * output_scale))
-    if max_output_len is not None:
-        output_len = min(output_len, max_output_len)
     return WorkloadRequest(
-        prompt_token_ids=ids[:scaled_len],
-        output_len=output_len,
-        arrival_time=float(record["timestamp"]) / 1000.0 * time_scale,
-        hash_ids=tuple(used),
+        prompt_token_ids=ids[: shape.prompt_len],
+        output_len=shape.output_len,
+        arrival_time=shape.arrival_time,
+        hash_ids=shape.hash_ids,
     )
 
 
@@ -277,6 +331,7 @@ def trace_requests(
     max_input_len: int | None = None,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     seed: int = 0,
+    offset: int = 0,
 ) -> list[WorkloadRequest]:
     """A Mooncake-format trace scaled down for replay against a small model.
 
@@ -289,12 +344,13 @@ def trace_requests(
       ``max_output_len``.
     - Arrival time (seconds) is ``timestamp_ms / 1000 * time_scale``: the timestamps are
       *multiplied*, so ``time_scale=0.1`` replays ten times faster and ``2`` half as fast.
-    - ``limit`` takes the first ``limit`` records.
+    - ``offset`` skips the first ``offset`` records (arrival times are then measured from the
+      first kept record's timestamp), and ``limit`` takes the next ``limit`` records.
     """
     _check_positive(block_tokens=block_tokens)
     if time_scale < 0 or output_scale < 0:
         raise ValueError("time_scale and output_scale must be >= 0")
-    records = list(itertools.islice(read_trace(path), limit))
+    records = trace_slice(path, offset=offset, limit=limit)
     # Generating every distinct block in one vectorised call is ~50x faster than one by one.
     distinct = sorted({int(h) for record in records for h in record["hash_ids"]})
     blocks = hash_id_blocks(distinct, block_tokens, vocab_size=vocab_size, seed=seed).tolist()

@@ -1,0 +1,213 @@
+"""The discrete-event loop: arrivals routed by the real policy, replicas stepping, periodic reports.
+
+Events live in one ``heapq`` keyed by ``(time, sequence number)``, so equal times keep insertion
+order and a run is deterministic for a seed. Four kinds:
+
+- ``ARRIVAL``: the router ranks the replicas with ``policy.rank`` (block hashes of the prompt, the
+  KV directory's hashes with KV sharing), takes the first replica below ``max_ongoing_requests``
+  (as Serve does; if all are full the request waits for the next completion), then calls
+  ``on_request_routed`` and ``observe_load`` with the replica's new queue length, as the Serve
+  adapter does when a replica accepts a request. With KV sharing the replica may first import
+  blocks (an ``IMPORT`` event after the transfer time); otherwise the request joins its queue.
+- ``STEP``: a replica's step ends: tokens are appended, first tokens and completions recorded
+  (``on_request_completed``), the next step scheduled at once if there is work.
+- ``IMPORT``: imported blocks are installed and the request joins the replica's queue.
+- ``REPORT``: every ``stats_period_s`` each replica's routing stats (the dict
+  ``record_routing_stats()`` returns) go through ``policy.apply_report``. A replica where nothing
+  happened since its last report is skipped: its report would repeat the last one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.sim.profile import Profile
+from benchmarks.sim.replica import SimReplica, SimRequest
+from benchmarks.sim.sharing import SimDirectory
+from benchmarks.sim.trace import SimRequestSpec
+from router import make_policy
+
+ARRIVAL, STEP, IMPORT, REPORT = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """One simulated cluster. ``directory_capacity_blocks=None`` gives the KV directory the
+    cluster's total KV capacity (the live default: 2 GiB of directory for two 1 GiB replicas)."""
+
+    replicas: int
+    capacity_blocks: int
+    policy: str = "prefix_aware"
+    router_config: Mapping[str, Any] = field(default_factory=dict)
+    block_tokens: int = 16
+    stats_period_s: float = 1.0
+    kv_sharing: bool = False
+    directory_capacity_blocks: int | None = None
+    kv_min_blocks: int = 4
+    directory_hint: bool = True
+    max_ongoing_requests: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.capacity_blocks < 1 or self.block_tokens < 1:
+            raise ValueError("replicas, capacity_blocks and block_tokens must be >= 1")
+        if self.stats_period_s <= 0:
+            raise ValueError(f"stats_period_s: must be > 0, got {self.stats_period_s}")
+
+
+@dataclass
+class ClusterRun:
+    """What a run produced: every request (finished ones have ``finish_time``), the replicas,
+    the policy (for its counters), and run statistics."""
+
+    requests: list[SimRequest]
+    rejected: list[SimRequest]
+    replicas: list[SimReplica]
+    policy: Any
+    directory: SimDirectory | None
+    num_events: int
+    wall_s: float
+
+
+class Cluster:
+    def __init__(self, profile: Profile, config: ClusterConfig) -> None:
+        self.profile = profile
+        self.config = config
+        self.policy = make_policy(
+            config.policy, dict(config.router_config), rng=random.Random(config.seed)
+        )
+        width = len(str(config.replicas - 1))
+        self.replicas = [
+            SimReplica(
+                f"replica-{i:0{width}d}",
+                cost=profile.step,
+                capacity_blocks=config.capacity_blocks,
+                block_tokens=config.block_tokens,
+                max_num_batched_tokens=profile.max_num_batched_tokens,
+                max_num_seqs=profile.max_num_seqs,
+                watermark=profile.watermark,
+            )
+            for i in range(config.replicas)
+        ]
+        self.by_id = {r.replica_id: r for r in self.replicas}
+        self.replica_ids = [r.replica_id for r in self.replicas]
+        self.policy.update_replicas(self.replica_ids)
+        self.directory: SimDirectory | None = None
+        if config.kv_sharing:
+            capacity = config.directory_capacity_blocks or config.replicas * config.capacity_blocks
+            self.directory = SimDirectory(capacity, config.kv_min_blocks)
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self._backlog: deque[SimRequest] = deque()
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self, specs: Sequence[SimRequestSpec]) -> ClusterRun:
+        started = time.perf_counter()
+        bt = self.config.block_tokens
+        requests = [SimRequest(spec, bt) for spec in specs]
+        rejected = [r for r in requests if not self.replicas[0].fits(r)]
+        accepted = [r for r in requests if self.replicas[0].fits(r)]
+        heap = self._heap
+        push, pop = heapq.heappush, heapq.heappop
+        for request in accepted:
+            push(heap, (request.arrival_time, next(self._seq), ARRIVAL, request))
+        period = self.config.stats_period_s
+        if accepted:
+            push(heap, (accepted[0].arrival_time + period, next(self._seq), REPORT, None))
+        remaining = len(accepted)
+        policy = self.policy
+        directory = self.directory
+        num_events = 0
+        while heap:
+            now, _, kind, obj = pop(heap)
+            num_events += 1
+            if kind == STEP:
+                first, finished = obj.finish_step()
+                for request in first:
+                    request.first_token_time = now
+                    if directory is not None:
+                        directory.publish(obj, request)
+                for request in finished:
+                    request.finish_time = now
+                    policy.on_request_completed(request.request_id, now)
+                remaining -= len(finished)
+                self._start(obj, now)
+                if finished and self._backlog:
+                    self._drain_backlog(now)
+            elif kind == ARRIVAL:
+                self._route(obj, now)
+            elif kind == IMPORT:
+                replica, request, hashes = obj
+                replica.num_importing -= 1
+                request.num_remote_cached_tokens = replica.install(hashes) * bt
+                replica.add(request)
+                if replica.idle:
+                    self._start(replica, now)
+            else:  # REPORT
+                for replica in self.replicas:
+                    if replica.changed:
+                        policy.apply_report(replica.replica_id, replica.report(now), now)
+                if remaining > 0:
+                    if not heap:
+                        raise RuntimeError(f"simulation stalled with {remaining} requests left")
+                    push(heap, (now + period, next(self._seq), REPORT, None))
+        return ClusterRun(
+            requests=accepted,
+            rejected=rejected,
+            replicas=self.replicas,
+            policy=policy,
+            directory=directory,
+            num_events=num_events,
+            wall_s=time.perf_counter() - started,
+        )
+
+    def _start(self, replica: SimReplica, now: float) -> None:
+        duration = replica.start_step()
+        if duration is not None:
+            heapq.heappush(self._heap, (now + duration, next(self._seq), STEP, replica))
+
+    def _route(self, request: SimRequest, now: float) -> None:
+        hashes = request.spec.block_hashes
+        directory = self.directory
+        hint = directory.hashes if directory is not None and self.config.directory_hint else None
+        ranks = self.policy.rank(self.replica_ids, hashes, now, hint)
+        limit = self.config.max_ongoing_requests
+        replica = next(
+            (
+                self.by_id[rid]
+                for rank in ranks
+                for rid in rank
+                if self.by_id[rid].num_ongoing < limit
+            ),
+            None,
+        )
+        if replica is None:
+            self._backlog.append(request)  # every replica is full: retry at the next completion
+            return
+        request.replica = replica.replica_id
+        replica.num_routed += 1
+        self.policy.on_request_routed(request.request_id, replica.replica_id, hashes, now)
+        plan = directory.plan_import(replica, request) if directory is not None else []
+        if plan:
+            directory.imports += 1
+            directory.imported_blocks += len(plan)
+            replica.num_importing += 1
+            replica.changed = True
+            at = now + self.profile.transfer_s(len(plan), self.config.block_tokens)
+            heapq.heappush(self._heap, (at, next(self._seq), IMPORT, (replica, request, plan)))
+        else:
+            replica.add(request)
+        self.policy.observe_load(replica.replica_id, replica.num_ongoing, now)
+        if replica.idle:
+            self._start(replica, now)
+
+    def _drain_backlog(self, now: float) -> None:
+        for _ in range(len(self._backlog)):
+            self._route(self._backlog.popleft(), now)

@@ -1,0 +1,110 @@
+"""A replica's cost profile: how long one engine step takes, as fitted by ``benchmarks.calibrate``.
+
+The simulator charges each step of a replica the time this model predicts for the step's batch::
+
+    step_s = base_s
+           + prefill_token_s    * (prompt tokens computed in the step, over every prefill chunk)
+           + prefill_pair_s     * (attention pairs of those chunks: chunk * (context + chunk / 2))
+           + decode_seq_s       * (sequences decoding one token)
+           + decode_ctx_token_s * (context tokens those decodes attend to, summed)
+
+An affine model of prefill work plus an affine model of decode batch size, with one attention term
+each, since a chunk's attention grows with its context. Every coefficient is >= 0 (the fit
+enforces it), so a step never costs less than ``base_s``.
+
+KV sharing: importing ``n`` blocks from the shared directory delays the request's admission by
+``transfer_base_s + n * transfer_block_s`` (per blocks of ``block_size`` tokens; the simulator
+scales it to its own block size).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+FEATURES = ("base_s", "prefill_token_s", "prefill_pair_s", "decode_seq_s", "decode_ctx_token_s")
+DEFAULT_PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "cpu-smollm2-bf16.json"
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Coefficients of the step-time model (seconds per unit); all >= 0."""
+
+    base_s: float
+    prefill_token_s: float
+    prefill_pair_s: float = 0.0
+    decode_seq_s: float = 0.0
+    decode_ctx_token_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"step cost {f.name}: must be a number >= 0, got {value!r}")
+
+    def step_s(
+        self, prefill_tokens: int, prefill_pairs: float, decode_seqs: int, decode_ctx: int
+    ) -> float:
+        return (
+            self.base_s
+            + self.prefill_token_s * prefill_tokens
+            + self.prefill_pair_s * prefill_pairs
+            + self.decode_seq_s * decode_seqs
+            + self.decode_ctx_token_s * decode_ctx
+        )
+
+    def as_vector(self) -> list[float]:
+        return [getattr(self, name) for name in FEATURES]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything the simulator needs to know about one engine replica.
+
+    ``block_size`` is the engine block (tokens) the transfer costs refer to; ``kv_capacity_tokens``
+    the KV cache size of one replica in tokens (the default simulated capacity);
+    ``max_num_batched_tokens`` / ``max_num_seqs`` / ``watermark`` the scheduler's limits as served.
+    ``meta`` records how the profile was measured (machine, load, date, raw samples, fit quality).
+    """
+
+    name: str
+    step: StepCost
+    block_size: int = 16
+    kv_capacity_tokens: int = 2912 * 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    watermark: float = 0.01
+    transfer_base_s: float = 0.0
+    transfer_block_s: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def transfer_s(self, num_blocks: int, block_tokens: int) -> float:
+        """Time to import ``num_blocks`` simulated blocks of ``block_tokens`` tokens each."""
+        if num_blocks <= 0:
+            return 0.0
+        return self.transfer_base_s + self.transfer_block_s * num_blocks * (
+            block_tokens / self.block_size
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Profile:
+        data = dict(data)
+        step = data.pop("step")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"profile: unknown key(s) {', '.join(unknown)}")
+        return cls(step=StepCost(**step), **data)
+
+    @classmethod
+    def load(cls, path: str | Path = DEFAULT_PROFILE) -> Profile:
+        return cls.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
