@@ -264,6 +264,7 @@ class EngineReplica:
             "block_size": engine.block_size,
             "num_running": engine.scheduler.num_running,
             "num_waiting": engine.scheduler.num_waiting,
+            "num_pending_prefill_tokens": engine.scheduler.num_pending_prefill_tokens,
             "kv_free_blocks": engine.kv.pool.num_free_blocks,
             "kv_total_blocks": engine.kv.pool.num_blocks,
             "cached_block_hashes": engine.kv.pool.cached_hashes(),

@@ -25,6 +25,7 @@ class RouterConfig:
         prefill_cost_per_block  * (blocks neither cached on r nor fetchable from the KV directory)
       + transfer_cost_per_block * (blocks not cached on r but published to the KV directory)
       + load_cost_per_request   * (estimated requests running or waiting on r)
+      + queued_prefill_cost_per_block * (prompt blocks awaiting prefill on r, less the matched ones)
     """
 
     # Cost of computing one uncached prompt block on the chosen replica (block-prefill units).
@@ -37,6 +38,12 @@ class RouterConfig:
     # instead of recomputing it (block-prefill units). Only used when the caller says which hashes
     # the directory holds. Below prefill_cost_per_block, a directory hit counts as a cheap miss.
     transfer_cost_per_block: float = 0.25
+    # Cost of each prompt block already queued for prefill on a replica (block-prefill units per
+    # block). Requests count alike whatever their prompt; this term tells a replica that is busy
+    # prefilling a long cold prompt (a new request waits behind it) from one that only decodes.
+    # Below prefill_cost_per_block, because the queued work may be the very prefix this request
+    # would reuse, and piling onto it still saves compute.
+    queued_prefill_cost_per_block: float = 0.5
     # Fewest leading blocks some replica must hold for the request before the prefix cost is used;
     # with a shorter best match the request goes to the better of two random replicas.
     min_match_blocks: int = 1
@@ -51,7 +58,12 @@ class RouterConfig:
     decision_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("prefill_cost_per_block", "load_cost_per_request", "transfer_cost_per_block"):
+        for name in (
+            "prefill_cost_per_block",
+            "load_cost_per_request",
+            "transfer_cost_per_block",
+            "queued_prefill_cost_per_block",
+        ):
             _check_float(name, getattr(self, name), minimum=0.0)
         for name in ("min_match_blocks", "imbalance_abs"):
             value = getattr(self, name)

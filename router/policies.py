@@ -149,6 +149,7 @@ class CandidateScore:
     transfer_blocks: int  # following blocks the KV directory can supply
     uncached_blocks: int  # the rest, to be prefilled
     load: int  # estimated requests running or waiting
+    queued_prefill_blocks: int  # estimated prompt blocks awaiting prefill ahead of this request
     cost: float
     hot: bool  # load tripped the imbalance guard
 
@@ -157,9 +158,9 @@ class PrefixAwarePolicy(RoutingPolicy):
     """Least cost first, where cost = prefill work the replica's cache does not cover + load.
 
     * If no candidate holds at least ``min_match_blocks`` leading blocks of the request, there is
-      no affinity to exploit: power of two choices on load (counted as ``fallback``). With
-      ``min_match_blocks=0`` this never happens and a request without matches goes to the least
-      loaded candidate (join the shortest queue).
+      no affinity to exploit: power of two choices on the load terms of the cost (counted as
+      ``fallback``). With ``min_match_blocks=0`` this never happens and a request without matches
+      goes to the candidate with the least load cost (join the shortest queue).
     * Otherwise candidates are ranked by ``CandidateScore.cost``; ties are broken at random.
     * Imbalance guard: candidates whose load exceeds the least-loaded candidate's by more than
       ``imbalance_abs`` and by a factor above ``imbalance_rel`` are ranked after all others, so a
@@ -194,14 +195,30 @@ class PrefixAwarePolicy(RoutingPolicy):
         terms = self._cost_terms(candidates, block_hashes, now, directory_hashes)
         if max(t[1] for t in terms) < self.config.min_match_blocks:
             self._count("fallback")
-            return self._power_of_two(candidates)
+            return self._two_choices(terms)
         rand = self.rng.random
         # (hot, cost, tie-break): the guard first, then the cost, ties at random.
-        keyed = [(t[6], t[5], rand(), t[0]) for t in terms]
+        keyed = [(t[7], t[6], rand(), t[0]) for t in terms]
         keyed.sort()
         unguarded_best = min(keyed, key=lambda k: k[1:3])
         self._count("guarded" if unguarded_best is not keyed[0] else "prefix")
         return [[k[3]] for k in keyed]
+
+    def _two_choices(self, terms: list[tuple[str, int, int, int, int, int, float, bool]]) -> Ranks:
+        """Power of two choices on the load part of the cost (requests and queued prefill)."""
+        cfg = self.config
+
+        def load_cost(t: tuple[str, int, int, int, int, int, float, bool]) -> float:
+            return cfg.load_cost_per_request * t[4] + cfg.queued_prefill_cost_per_block * t[5]
+
+        if len(terms) <= 1:
+            return [[t[0]] for t in terms]
+        i, j = self.rng.sample(range(len(terms)), 2)
+        first, second = terms[i], terms[j]
+        if load_cost(second) < load_cost(first):
+            first, second = second, first
+        rest = sorted((t for k, t in enumerate(terms) if k != i and k != j), key=load_cost)
+        return [[first[0]], [second[0]]] + [[t[0]] for t in rest]
 
     def _cost_terms(
         self,
@@ -209,7 +226,7 @@ class PrefixAwarePolicy(RoutingPolicy):
         block_hashes: Sequence[int],
         now: float,
         directory_hashes: Container[int] | None,
-    ) -> list[tuple[str, int, int, int, int, float, bool]]:
+    ) -> list[tuple[str, int, int, int, int, int, float, bool]]:
         """``CandidateScore`` fields per candidate, as tuples (the hot path builds no objects)."""
         cfg = self.config
         ttl = cfg.decision_ttl_s
@@ -225,19 +242,23 @@ class PrefixAwarePolicy(RoutingPolicy):
         loads = [v.estimated_load for v in views]
         min_load = min(loads)
         hot_above = max(min_load + cfg.imbalance_abs, min_load * cfg.imbalance_rel)
-        prefill, transfer_w, load_w = (
+        prefill, transfer_w, load_w, queued_w = (
             cfg.prefill_cost_per_block,
             cfg.transfer_cost_per_block,
             cfg.load_cost_per_request,
+            cfg.queued_prefill_cost_per_block,
         )
         terms = []
         for view, load in zip(views, loads, strict=True):
             matched = view.matched_blocks(block_hashes, now, ttl)
             transfer = 0 if run_end is None else run_end[matched] - matched
             uncached = n - matched - transfer
-            cost = prefill * uncached + transfer_w * transfer + load_w * load
+            # Queued prefill may be this request's own prefix (a burst sharing a new prompt): the
+            # matched blocks are not counted against the replica, or bursts would scatter.
+            queued = max(0, view.estimated_prefill_blocks - matched)
+            cost = prefill * uncached + transfer_w * transfer + load_w * load + queued_w * queued
             terms.append(
-                (view.replica_id, matched, transfer, uncached, load, cost, load > hot_above)
+                (view.replica_id, matched, transfer, uncached, load, queued, cost, load > hot_above)
             )
         return terms
 

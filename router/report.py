@@ -5,7 +5,8 @@ Contract (a plain dict, so that it crosses process and pickling boundaries uncha
     {"replica_id": str, "started_at": float, "block_size": int,
      "num_running": int, "num_waiting": int, "kv_free_blocks": int, "kv_total_blocks": int,
      "cached_block_hashes": list[int],   # every hash in the replica's prefix cache (full snapshot)
-     "reported_at": float}               # time.time() when the snapshot was taken
+     "reported_at": float,               # time.time() when the snapshot was taken
+     "num_pending_prefill_tokens": int}  # optional (0 if absent): prompt tokens queued for prefill
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class ReplicaReport:
     kv_total_blocks: int
     cached_block_hashes: frozenset[int]
     reported_at: float
+    num_pending_prefill_tokens: int = 0
 
     @property
     def load(self) -> int:
@@ -58,6 +60,11 @@ class ReplicaReport:
                 raise ValueError(f"routing stats: {key} must be a number, got {value!r}")
             if not math.isfinite(value):
                 raise ValueError(f"routing stats: {key} must be finite, got {value!r}")
+        pending = stats.get("num_pending_prefill_tokens", 0)
+        if not isinstance(pending, int) or isinstance(pending, bool) or pending < 0:
+            raise ValueError(
+                f"routing stats: num_pending_prefill_tokens must be a non-negative int, got {pending!r}"
+            )
         hashes = stats["cached_block_hashes"]
         if isinstance(hashes, str | bytes) or not hasattr(hashes, "__iter__"):
             raise ValueError("routing stats: cached_block_hashes must be a list of ints")
@@ -71,4 +78,5 @@ class ReplicaReport:
             kv_total_blocks=stats["kv_total_blocks"],
             cached_block_hashes=frozenset(hashes),
             reported_at=float(stats["reported_at"]),
+            num_pending_prefill_tokens=pending,
         )

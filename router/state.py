@@ -33,6 +33,10 @@ class ReplicaView:
       * ``unreported`` counts the in-flight requests routed after ``load_at`` (the time of the
         latest load figure, ``reported_load``); ``completed_since`` counts requests routed at or
         before ``load_at`` that completed after it.
+      * ``inflight_prefill`` maps each of this router's in-flight requests to the prompt blocks it
+        was expected to prefill (those not believed cached when it was routed);
+        ``unreported_prefill`` sums them over the requests routed after ``report_at``, which the
+        newest report's ``reported_prefill_blocks`` cannot include yet.
     """
 
     __slots__ = (
@@ -51,6 +55,9 @@ class ReplicaView:
         "inflight",
         "unreported",
         "completed_since",
+        "reported_prefill_blocks",
+        "inflight_prefill",
+        "unreported_prefill",
     )
 
     def __init__(self, replica_id: str) -> None:
@@ -69,6 +76,9 @@ class ReplicaView:
         self.inflight: dict[str, float] = {}
         self.unreported = 0
         self.completed_since = 0
+        self.reported_prefill_blocks = 0
+        self.inflight_prefill: dict[str, int] = {}
+        self.unreported_prefill = 0
 
     @property
     def num_in_flight(self) -> int:
@@ -82,6 +92,13 @@ class ReplicaView:
         Never below this router's own in-flight count."""
         estimate = self.reported_load + self.unreported - self.completed_since
         return max(estimate, len(self.inflight))
+
+    @property
+    def estimated_prefill_blocks(self) -> int:
+        """Prompt blocks queued for prefill on the replica now: the newest report's figure plus the
+        blocks of this router's requests routed since. Requests that finished their prefill since
+        the report still count until the next one (a report period at most)."""
+        return self.reported_prefill_blocks + self.unreported_prefill
 
     def holds(self, block_hash: int, now: float, decision_ttl_s: float) -> bool:
         """Whether the replica is believed to cache ``block_hash`` at ``now``."""
@@ -118,6 +135,16 @@ class ReplicaView:
                 break
             unreported += 1
         self.unreported = unreported
+
+    def set_prefill(self, pending_blocks: int) -> None:
+        """A report taken at ``report_at`` says ``pending_blocks`` blocks await prefill."""
+        self.reported_prefill_blocks = pending_blocks
+        unreported = 0
+        for request_id, routed_at in reversed(self.inflight.items()):
+            if routed_at <= self.report_at:
+                break
+            unreported += self.inflight_prefill.get(request_id, 0)
+        self.unreported_prefill = unreported
 
     def drop_stale_decisions(self, now: float, decision_ttl_s: float, confirmed_at: float) -> None:
         """Forget unpinned decisions older than ``confirmed_at`` (a report's time) or the TTL."""
@@ -200,6 +227,7 @@ class ClusterState:
         view.kv_total_blocks = report.kv_total_blocks
         view.cached = report.cached_block_hashes
         view.report_at = report.reported_at
+        view.set_prefill(-(-report.num_pending_prefill_tokens // max(1, report.block_size)))
         view.drop_stale_decisions(now, self.decision_ttl_s, report.reported_at)
         if report.reported_at >= view.load_at:
             view.set_load(report.load, report.reported_at)
@@ -224,6 +252,10 @@ class ClusterState:
         view.inflight[request_id] = now
         if now > view.load_at:
             view.unreported += 1
+        uncached = len(hashes) - view.matched_blocks(hashes, now, self.decision_ttl_s)
+        view.inflight_prefill[request_id] = uncached
+        if now > view.report_at:
+            view.unreported_prefill += uncached
         own = view.own
         for h in hashes:
             entry = own.get(h)
@@ -247,6 +279,9 @@ class ClusterState:
             view.unreported -= 1
         else:
             view.completed_since += 1
+        uncached = view.inflight_prefill.pop(request_id, 0)
+        if routed_at > view.report_at:
+            view.unreported_prefill -= uncached
         own = view.own
         for h in request.block_hashes:
             entry = own.get(h)

@@ -227,6 +227,7 @@ class SimReplica:
             "block_size": self.block_tokens,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
+            "num_pending_prefill_tokens": self.scheduler.num_pending_prefill_tokens,
             "kv_free_blocks": pool.num_free_blocks,
             "kv_total_blocks": pool.num_blocks,
             "cached_block_hashes": pool.cached_hashes(),

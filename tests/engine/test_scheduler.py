@@ -93,6 +93,21 @@ def test_chunked_prefill_shares_a_step_with_decodes():
     assert long.num_output_tokens == 1  # sampled once its last chunk ran
 
 
+def test_pending_prefill_tokens_count_prompts_not_yet_computed():
+    sim = Sim(max_num_batched_tokens=8)
+    sim.add("short", 3)
+    assert sim.sched.num_pending_prefill_tokens == 3
+    sim.step()
+    assert sim.sched.num_pending_prefill_tokens == 0  # decoding owes no prefill
+    sim.add("long", 30)
+    sim.add("queued", 5)
+    assert sim.sched.num_pending_prefill_tokens == 35
+    sim.step()  # short decodes 1, long prefills 7
+    assert sim.sched.num_pending_prefill_tokens == 28
+    sim.sched.abort_request("queued")
+    assert sim.sched.num_pending_prefill_tokens == 23
+
+
 def test_prefix_hit_is_skipped_by_the_prefill():
     sim = Sim()
     first = sim.add("a", 10, max_tokens=1)

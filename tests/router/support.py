@@ -21,6 +21,7 @@ def report(
     started_at: float = 1.0,
     free: int = 1000,
     total: int = 1000,
+    pending_prefill_tokens: int = 0,
 ) -> dict[str, Any]:
     """A routing-stats dict as an engine replica's ``record_routing_stats()`` returns it."""
     return {
@@ -33,6 +34,7 @@ def report(
         "kv_total_blocks": total,
         "cached_block_hashes": list(hashes),
         "reported_at": at,
+        "num_pending_prefill_tokens": pending_prefill_tokens,
     }
 
 

@@ -90,6 +90,37 @@ def test_spill_over_counts_requests_routed_since_the_last_report() -> None:
     assert "b" in destinations[3:]
 
 
+def test_a_cold_request_avoids_a_replica_busy_prefilling_a_long_prompt() -> None:
+    # Same request count everywhere, but "a" is chewing through 2000 prompt tokens: a request
+    # sent there waits for all of them. With no prefix match anywhere (two choices on the load
+    # terms) and with a short match on "a", the request goes to "b".
+    for seed in range(20):
+        policy = prefix_policy(seed=seed)
+        policy.apply_report(
+            "a", report("a", H[:2], at=1.0, running=1, pending_prefill_tokens=2000), now=1.0
+        )
+        policy.apply_report("b", report("b", [], at=1.0, running=1), now=1.0)
+        assert first(policy.rank(["a", "b"], [7, 8, 9], now=1.0)) == "b"
+        assert first(policy.rank(["a", "b"], H[:4], now=1.0)) == "b"
+    # Without the queued-prefill term the two-block match on "a" decides.
+    policy = prefix_policy(queued_prefill_cost_per_block=0.0)
+    policy.apply_report(
+        "a", report("a", H[:2], at=1.0, running=1, pending_prefill_tokens=2000), now=1.0
+    )
+    policy.apply_report("b", report("b", [], at=1.0, running=1), now=1.0)
+    assert first(policy.rank(["a", "b"], H[:4], now=1.0)) == "a"
+
+
+def test_queued_prefill_of_the_requests_own_prefix_is_not_held_against_the_holder() -> None:
+    policy = prefix_policy()
+    policy.apply_report("a", report("a", [], at=1.0), now=1.0)
+    policy.apply_report("b", report("b", [], at=1.0), now=1.0)
+    policy.on_request_routed("q1", "a", H, now=2.0)  # 40 blocks to prefill on "a"
+    scores = {s.replica_id: s for s in policy.score(["a", "b"], H[:30], now=2.1)}
+    assert scores["a"].queued_prefill_blocks == 10  # 40 queued, 30 of them this prompt's own
+    assert scores["a"].cost == 4.0 + 0.5 * 10 < scores["b"].cost == 30.0
+
+
 def test_imbalance_guard_overrides_a_long_cached_prefix() -> None:
     policy = prefix_policy(imbalance_abs=8, imbalance_rel=2.0)
     policy.apply_report("a", report("a", H, at=1.0, running=9), now=1.0)

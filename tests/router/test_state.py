@@ -154,10 +154,33 @@ def test_load_estimate_never_below_own_in_flight() -> None:
     assert s.views["a"].estimated_load == 3
 
 
+def test_queued_prefill_reported_plus_own_requests_routed_since() -> None:
+    s = state()
+    s.apply_report("a", report("a", H[:4], at=1.0, pending_prefill_tokens=33), now=1.0)
+    view = s.views["a"]
+    assert view.estimated_prefill_blocks == 3  # 33 tokens in blocks of 16, rounded up
+    s.on_request_routed("q1", "a", H[:10], now=2.0)  # 4 of its 10 blocks are cached there
+    assert view.inflight_prefill["q1"] == 6
+    assert view.estimated_prefill_blocks == 3 + 6
+    s.on_request_routed("q2", "a", H[:2], now=2.5)  # fully cached: no prefill expected
+    assert view.estimated_prefill_blocks == 9
+    # A report taken after both were routed includes them: its figure replaces the guesses.
+    s.apply_report("a", report("a", H[:10], at=3.0, pending_prefill_tokens=16), now=3.0)
+    assert view.estimated_prefill_blocks == 1
+    s.on_request_routed("q3", "a", H[:12], now=4.0)  # 2 new blocks (own decisions hold 0..9)
+    assert view.estimated_prefill_blocks == 3
+    s.on_request_completed("q3", now=4.5)  # routed after the report: its guess goes
+    s.on_request_completed("q1", now=4.5)  # routed before: the report already accounts for it
+    assert view.estimated_prefill_blocks == 1
+
+
 def test_report_validation() -> None:
     good = report("a", [1, 2], at=1.0)
     assert ReplicaReport.from_dict(good).cached_block_hashes == frozenset({1, 2})
     assert ReplicaReport.from_dict(good).load == 0
+    older = dict(good)
+    del older["num_pending_prefill_tokens"]  # optional: replicas of an older build omit it
+    assert ReplicaReport.from_dict(older).num_pending_prefill_tokens == 0
     for key in ("num_running", "cached_block_hashes", "reported_at", "started_at"):
         bad = dict(good)
         del bad[key]
@@ -170,6 +193,8 @@ def test_report_validation() -> None:
         ("reported_at", "now"),
         ("reported_at", float("nan")),
         ("cached_block_hashes", "1,2"),
+        ("num_pending_prefill_tokens", -5),
+        ("num_pending_prefill_tokens", 2.5),
     ):
         with pytest.raises(ValueError, match=key):
             ReplicaReport.from_dict({**good, key: value})
