@@ -29,6 +29,8 @@ logger = logging.getLogger("ray.serve")
 
 # Log a failure at most this often: a persistent one would otherwise be logged per request.
 _ERROR_LOG_INTERVAL_S = 10.0
+# A first choice counts as routed until Serve confirms where the request went, or this long.
+_TENTATIVE_TTL_S = 5.0
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -58,6 +60,12 @@ def request_directory_hashes(pending_request: PendingRequest | None) -> frozense
     return None if hashes is None else frozenset(hashes)
 
 
+def _request_id(pending_request: PendingRequest) -> str | None:
+    metadata = getattr(pending_request, "metadata", None)
+    request_id = getattr(metadata, "internal_request_id", None)
+    return None if request_id is None else str(request_id)
+
+
 def replica_key(replica_id: ReplicaID | Any) -> str:
     """The policy's name for a Serve replica: its ``unique_id`` within the deployment."""
     unique_id = getattr(replica_id, "unique_id", None)
@@ -79,6 +87,11 @@ class PolicyRequestRouter(RequestRouter):
         self._queue_len: dict[str, int] = {}
         self._last_error_log = -float("inf")
         self._kv_sharing = False
+        # Requests ranked but not yet accepted by a replica -> when they were ranked. Serve ranks
+        # a burst of requests before any replica accepts one; each first choice is recorded with
+        # the policy at once, or every request of the burst would see the same loads and the
+        # burst would split at random instead of evenly.
+        self._tentative: dict[str, float] = {}
 
     @property
     def policy(self) -> RoutingPolicy:
@@ -120,9 +133,8 @@ class PolicyRequestRouter(RequestRouter):
         directory = request_directory_hashes(pending_request)
         if directory is None and self._kv_sharing:
             directory = _HeldAnywhere(self._policy, list(by_key), now)
-        ranks = self._policy.rank(
-            list(by_key), request_block_hashes(pending_request), now, directory
-        )
+        hashes = request_block_hashes(pending_request)
+        ranks = self._policy.rank(list(by_key), hashes, now, directory)
         ranked = [[by_key[key] for key in rank] for rank in ranks if rank]
         # Replicas believed full go last: Serve would probe each one before moving on.
         full = [all(self._believed_full(r) for r in rank) for rank in ranked]
@@ -130,7 +142,29 @@ class PolicyRequestRouter(RequestRouter):
             ranked = [rank for rank, f in zip(ranked, full, strict=True) if not f] + [
                 rank for rank, f in zip(ranked, full, strict=True) if f
             ]
+        if ranked and pending_request is not None:
+            self._hold_first_choice(pending_request, ranked[0][0], hashes, now)
         return ranked
+
+    def _hold_first_choice(
+        self,
+        pending_request: PendingRequest,
+        replica: RunningReplica,
+        hashes: list[int],
+        now: float,
+    ) -> None:
+        """Count the request on its first choice until Serve reports where it went."""
+        for request_id, ranked_at in list(self._tentative.items()):
+            if now - ranked_at < _TENTATIVE_TTL_S:
+                break  # insertion order is ranking order
+            del self._tentative[request_id]
+            self._policy.on_request_completed(request_id, now)  # never placed (cancelled)
+        request_id = _request_id(pending_request)
+        if request_id is None:
+            return
+        self._policy.on_request_routed(request_id, replica_key(replica.replica_id), hashes, now)
+        self._tentative.pop(request_id, None)
+        self._tentative[request_id] = now
 
     def _believed_full(self, replica: RunningReplica) -> bool:
         view = self._policy.view(replica_key(replica.replica_id))
@@ -184,10 +218,12 @@ class PolicyRequestRouter(RequestRouter):
         try:
             key = replica_key(replica_id)
             now = time.time()
-            request_id = pending_request.metadata.internal_request_id
-            self._policy.on_request_routed(
-                request_id, key, request_block_hashes(pending_request), now
-            )
+            request_id = str(pending_request.metadata.internal_request_id)
+            self._tentative.pop(request_id, None)
+            if self._policy.state.in_flight(request_id) != key:  # not where it was ranked first
+                self._policy.on_request_routed(
+                    request_id, key, request_block_hashes(pending_request), now
+                )
             queue_len = self._queue_len.pop(key, None)
             if queue_len is not None:
                 self._policy.observe_load(key, queue_len, now)

@@ -251,3 +251,67 @@ def test_kv_sharing_lets_an_idle_replica_import_a_busy_holders_prefix(kv_sharing
         assert ranks[0] == (["b"] if kv_sharing else ["a"])
 
     run(body)
+
+
+def test_a_burst_ranked_before_any_acceptance_splits_evenly() -> None:
+    """Serve ranks a burst before any replica accepts a request: each first choice must count at
+    once, or every request sees the same loads and the burst splits at random."""
+
+    async def body() -> None:
+        for seed in range(5):
+            router = make_router()
+            router.policy.rng.seed(seed)
+            replicas = [FakeReplica("a"), FakeReplica("b")]
+            router.update_replicas(replicas)
+            await settle()
+            firsts = []
+            for i in range(64):  # distinct prompts, nothing cached: two choices on load
+                request = pending(EngineRequest(block_hashes=[10_000 + i]), f"r{i}")
+                firsts.append(ids(await router.choose_replicas(replicas, request))[0][0])
+            assert abs(firsts.count("a") - firsts.count("b")) <= 1
+
+    run(body)
+
+
+def test_serve_placing_a_request_elsewhere_moves_its_tentative_load() -> None:
+    async def body() -> None:
+        router = make_router()
+        a, b = FakeReplica("a"), FakeReplica("b")
+        router.update_replicas([a, b])
+        await settle()
+        request = pending(EngineRequest(block_hashes=H[:4]), "r1")
+        first = ids(await router.choose_replicas([a, b], request))[0][0]
+        other = b if first == "a" else a
+        assert router.policy.view(first).num_in_flight == 1
+        router.on_request_routed(request, other.replica_id, None)  # the first choice was full
+        assert router.policy.view(first).num_in_flight == 0
+        assert router.policy.view(other.replica_id.unique_id).num_in_flight == 1
+        router.on_request_completed(other.replica_id, "r1")
+        assert router.policy.view(other.replica_id.unique_id).num_in_flight == 0
+        # Accepted where it was ranked: counted once, not twice.
+        second = pending(EngineRequest(block_hashes=H[:4]), "r2")
+        first = ids(await router.choose_replicas([a, b], second))[0][0]
+        chosen = a if first == "a" else b
+        router.on_request_routed(second, chosen.replica_id, None)
+        assert router.policy.view(first).num_in_flight == 1
+
+    run(body)
+
+
+def test_a_ranked_request_never_placed_stops_counting(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def body() -> None:
+        router = make_router()
+        a, b = FakeReplica("a"), FakeReplica("b")
+        router.update_replicas([a, b])
+        await settle()
+        clock = [1000.0]
+        monkeypatch.setattr("time.time", lambda: clock[0])
+        cancelled = pending(EngineRequest(block_hashes=[1]), "cancelled")
+        first = ids(await router.choose_replicas([a, b], cancelled))[0][0]
+        assert router.policy.view(first).num_in_flight == 1
+        clock[0] += 60.0  # the client went away before any replica accepted the request
+        await router.choose_replicas([a, b], pending(EngineRequest(block_hashes=[2]), "next"))
+        assert router.policy.state.in_flight("cancelled") is None
+        assert sum(router.policy.view(k).num_in_flight for k in "ab") == 1  # only "next"
+
+    run(body)
