@@ -38,7 +38,7 @@ def workloads(args: argparse.Namespace) -> dict[str, list[str]]:
             "--output-len",
             str(args.shared_output_len),
             "--arrival-order",
-            "interleaved",
+            args.arrival_order,
             "--concurrency",
             str(args.shared_concurrency),
             *common,
@@ -89,6 +89,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--shared-concurrency", type=int, default=4)
     p.add_argument("--random-prompts", type=int, default=64)
     p.add_argument("--random-concurrency", type=int, default=64)
+    # Random order by default: with interleaved arrivals and an even number of groups, round
+    # robin over 2 replicas sends every request of a group to the same replica by parity alone.
+    p.add_argument(
+        "--arrival-order", choices=["interleaved", "grouped", "random"], default="random"
+    )
+    p.add_argument("--workloads", default="shared-prefix,no-sharing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8000)
     args = p.parse_args(argv)
@@ -99,7 +105,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             {"routing_policy": policy, "kv_sharing": {"enabled": args.kv_sharing}}
         )
         with running_service(config, port=args.port) as url:
+            selected = args.workloads.split(",")
             for name, wl in workloads(args).items():
+                if name not in selected:
+                    continue
                 summary = bench.main(["--base-url", url, *wl])
                 rows.append(row(policy, name, summary))
     print()
