@@ -158,6 +158,19 @@ def run_hf(
     return timing
 
 
+def parse_engine_opts(options: list[str]) -> dict[str, Any]:
+    """``--engine-opt KEY=VALUE`` flags as EngineConfig keyword arguments; a value is read as
+    JSON when it parses (numbers, booleans), else kept as a string."""
+    extra: dict[str, Any] = {}
+    for opt in options:
+        key, _, value = opt.partition("=")
+        try:
+            extra[key] = json.loads(value)
+        except json.JSONDecodeError:
+            extra[key] = value
+    return extra
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -180,13 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    extra: dict[str, Any] = {}
-    for opt in args.engine_opt:
-        key, _, value = opt.partition("=")
-        try:
-            extra[key] = json.loads(value)
-        except json.JSONDecodeError:
-            extra[key] = value
+    extra = parse_engine_opts(args.engine_opt)
 
     from engine.model.loader import resolve_model
 

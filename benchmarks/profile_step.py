@@ -10,7 +10,6 @@ torch.profiler's table of the costliest ops over those steps.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -18,6 +17,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.offline import parse_engine_opts
 from engine import LLM, SamplingParams
 
 
@@ -36,13 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    extra = {}
-    for opt in args.engine_opt:
-        key, _, value = opt.partition("=")
-        try:
-            extra[key] = json.loads(value)
-        except json.JSONDecodeError:
-            extra[key] = value
+    extra = parse_engine_opts(args.engine_opt)
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False, **extra)
     engine = llm.engine
     engine.model.use_fused = not args.no_fused

@@ -85,18 +85,22 @@ class RoutingPolicy(ABC):
     def _count(self, kind: str) -> None:
         self.counters[kind] = self.counters.get(kind, 0) + 1
 
-    def _power_of_two(self, candidates: Sequence[str]) -> Ranks:
-        """Two distinct random candidates, the less loaded first, then the rest by load."""
-        views = [self.state.view(r) for r in candidates]
-        if len(views) <= 1:
-            return [[v.replica_id] for v in views]
-        i, j = self.rng.sample(range(len(views)), 2)
-        first, second = views[i], views[j]
-        if second.estimated_load < first.estimated_load:
-            first, second = second, first
-        rest = [v for k, v in enumerate(views) if k != i and k != j]
-        rest.sort(key=lambda v: v.estimated_load)
-        return [[first.replica_id], [second.replica_id]] + [[v.replica_id] for v in rest]
+    def _power_of_two(
+        self, candidates: Sequence[str], loads: Sequence[float] | None = None
+    ) -> Ranks:
+        """Two distinct random candidates, the less loaded first, then the rest by load.
+        ``loads`` (per candidate) defaults to the estimated request counts."""
+        if loads is None:
+            loads = [self.state.view(r).estimated_load for r in candidates]
+        if len(candidates) <= 1:
+            return [[r] for r in candidates]
+        i, j = self.rng.sample(range(len(candidates)), 2)
+        if loads[j] < loads[i]:
+            i, j = j, i
+        rest = sorted(
+            (k for k in range(len(candidates)) if k != i and k != j), key=loads.__getitem__
+        )
+        return [[candidates[k]] for k in (i, j, *rest)]
 
 
 class RoundRobinPolicy(RoutingPolicy):
@@ -195,7 +199,12 @@ class PrefixAwarePolicy(RoutingPolicy):
         terms = self._cost_terms(candidates, block_hashes, now, directory_hashes)
         if max(t[1] for t in terms) < self.config.min_match_blocks:
             self._count("fallback")
-            return self._two_choices(terms)
+            cfg = self.config
+            loads = [
+                cfg.load_cost_per_request * t[4] + cfg.queued_prefill_cost_per_block * t[5]
+                for t in terms
+            ]
+            return self._power_of_two(candidates, loads)
         rand = self.rng.random
         # (hot, cost, tie-break): the guard first, then the cost, ties at random.
         keyed = [(t[7], t[6], rand(), t[0]) for t in terms]
@@ -203,22 +212,6 @@ class PrefixAwarePolicy(RoutingPolicy):
         unguarded_best = min(keyed, key=lambda k: k[1:3])
         self._count("guarded" if unguarded_best is not keyed[0] else "prefix")
         return [[k[3]] for k in keyed]
-
-    def _two_choices(self, terms: list[tuple[str, int, int, int, int, int, float, bool]]) -> Ranks:
-        """Power of two choices on the load part of the cost (requests and queued prefill)."""
-        cfg = self.config
-
-        def load_cost(t: tuple[str, int, int, int, int, int, float, bool]) -> float:
-            return cfg.load_cost_per_request * t[4] + cfg.queued_prefill_cost_per_block * t[5]
-
-        if len(terms) <= 1:
-            return [[t[0]] for t in terms]
-        i, j = self.rng.sample(range(len(terms)), 2)
-        first, second = terms[i], terms[j]
-        if load_cost(second) < load_cost(first):
-            first, second = second, first
-        rest = sorted((t for k, t in enumerate(terms) if k != i and k != j), key=load_cost)
-        return [[first[0]], [second[0]]] + [[t[0]] for t in rest]
 
     def _cost_terms(
         self,

@@ -50,6 +50,19 @@ class AttentionBackend:
     def prepare(self, meta: AttentionMetadata) -> None:
         """Precompute per-step tensors shared by every layer (stored in ``meta.extra``)."""
 
+    @staticmethod
+    def write_kv(
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Store the step's new K/V rows in their cache slots (``meta.slot_mapping``)."""
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
     def forward(
         self,
         q: torch.Tensor,

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_attention.c", CSRC / "fused_ops.c")
+HEADERS = (CSRC / "bf16.h",)
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
@@ -53,7 +54,7 @@ def _cache_dir() -> Path:
 
 
 def _build(compiler: str) -> Path:
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256(
         source + " ".join([compiler, *CFLAGS]).encode() + _cpu_signature().encode()
     ).hexdigest()[:16]

@@ -40,12 +40,7 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
-
+        self.write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         if meta.num_decodes:
             self.decode_forward(q, k_cache, v_cache, meta, scale, out)

@@ -10,22 +10,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "bf16.h"
+
 #define PARALLEL_MIN (1 << 18)
 
-static inline float bf(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
 
-static inline uint16_t to_bf(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)(v.u >> 16);
-}
-
-static inline float round_bf(float f) { return bf(to_bf(f)); }
+static inline float round_bf(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* If residual != NULL: x <- x + residual (in place, bf16). Then
  * out = weight * bf16(x * rsqrt(mean(x^2) + eps)), i.e. transformers' LlamaRMSNorm in bf16. */
@@ -38,15 +28,15 @@ void add_rms_norm_bf16(uint16_t *x, const uint16_t *residual, const uint16_t *we
         if (residual != NULL) {
             const uint16_t *rr = residual + r * res_stride;
 #pragma omp simd
-            for (int64_t d = 0; d < dim; d++) xr[d] = to_bf(bf(xr[d]) + bf(rr[d]));
+            for (int64_t d = 0; d < dim; d++) xr[d] = f32_to_bf16(bf16_to_f32(xr[d]) + bf16_to_f32(rr[d]));
         }
         float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
-        for (int64_t d = 0; d < dim; d++) ss += bf(xr[d]) * bf(xr[d]);
+        for (int64_t d = 0; d < dim; d++) ss += bf16_to_f32(xr[d]) * bf16_to_f32(xr[d]);
         const float scale = 1.0f / sqrtf(ss / (float)dim + eps);
         uint16_t *o = out + r * out_stride;
 #pragma omp simd
-        for (int64_t d = 0; d < dim; d++) o[d] = to_bf(bf(weight[d]) * round_bf(bf(xr[d]) * scale));
+        for (int64_t d = 0; d < dim; d++) o[d] = f32_to_bf16(bf16_to_f32(weight[d]) * round_bf(bf16_to_f32(xr[d]) * scale));
     }
 }
 
@@ -67,11 +57,11 @@ void rope_bf16(uint16_t *x, const int64_t *positions, const float *cos_table,
 #pragma omp simd
             for (int64_t d = 0; d < half; d++) {
                 const float c = round_bf(ct[d]), s = round_bf(st[d]);
-                const float a = bf(x1[d]), b = bf(x2[d]);
+                const float a = bf16_to_f32(x1[d]), b = bf16_to_f32(x2[d]);
                 const float o1 = round_bf(round_bf(a * c) - round_bf(b * s));
                 const float o2 = round_bf(round_bf(b * c) + round_bf(a * s));
-                x1[d] = to_bf(o1);
-                x2[d] = to_bf(o2);
+                x1[d] = f32_to_bf16(o1);
+                x2[d] = f32_to_bf16(o2);
             }
         }
     }
@@ -87,9 +77,9 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
         uint16_t *o = out + r * out_stride;
 #pragma omp simd
         for (int64_t d = 0; d < inter; d++) {
-            const float x = bf(g[d]);
+            const float x = bf16_to_f32(g[d]);
             const float s = round_bf(x / (1.0f + expf(-x)));
-            o[d] = to_bf(s * bf(u[d]));
+            o[d] = f32_to_bf16(s * bf16_to_f32(u[d]));
         }
     }
 }

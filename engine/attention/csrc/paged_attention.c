@@ -18,20 +18,10 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
+
 #define MAX_GROUP 16
 
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    v.u += 0x7fffu + ((v.u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(v.u >> 16);
-}
 
 /* Load head_dim elements at base[offset] as float32 into dst. */
 static inline void load_row(const void *base, int64_t offset, int dtype, int dim, float *dst) {
