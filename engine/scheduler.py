@@ -10,6 +10,11 @@ Each ``schedule()`` builds one step:
    each admitted with its prefix-cache hit and leaving a watermark of free blocks while others
    run. Admission stops at the first request that does not fit (no overtaking, so no
    starvation), and is skipped entirely in a step that had to preempt.
+3. A waiting request whose next uncached block is one that an admitted request is still
+   computing (same hash: the same tokens behind the same prefix) waits, and the requests behind
+   it may go first: a burst behind one new system prompt computes the prompt once and then hits
+   it, instead of every request of the first step recomputing it. The wait ends when those
+   blocks are computed (or their owner leaves), so it is bounded by one prefill.
 
 Prefill chunks and decodes share a step, so a long prompt never stalls running streams.
 """
@@ -191,9 +196,19 @@ class Scheduler:
         if out.preempted:
             return out
 
+        inflight = self._inflight_block_hashes()
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            next_block = num_cached // self.kv.block_size
+            if (
+                inflight is not None
+                and next_block < len(request.block_hashes)
+                and request.block_hashes[next_block] in inflight
+            ):
+                deferred.append(self.waiting.pop())
+                continue
             num_new = min(request.num_tokens - num_cached, budget)
             # The watermark protects running requests; with none, a request that needs nearly
             # the whole pool must still be admitted or it would wait forever.
@@ -209,7 +224,19 @@ class Scheduler:
             bisect.insort(self.running, request, key=self.waiting.key)
             out.scheduled.append((request, num_new))
             budget -= num_new
+            if inflight is not None:
+                inflight.update(request.block_hashes[next_block:])
+        for request in deferred:
+            self.waiting.push(request)  # same key: back in its place
         return out
+
+    def _inflight_block_hashes(self) -> set | None:
+        """Hashes of the full blocks that running requests have yet to compute (None without
+        prefix caching, where nothing could be shared anyway)."""
+        if not self.config.enable_prefix_caching:
+            return None
+        bs = self.kv.block_size
+        return {h for r in self.running for h in r.block_hashes[r.num_computed_tokens // bs :]}
 
     def update_from_output(self, out: SchedulerOutput) -> list[Request]:
         """Advance progress after the model ran ``out``. Returns the requests that reached the end

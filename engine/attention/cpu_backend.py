@@ -1,11 +1,23 @@
-"""CPU attention: decodes through the native paged kernel, prefills through the PyTorch path.
+"""CPU attention: the native paged kernel where PyTorch's per-call overhead dominates, SDPA where
+its blocked kernel wins, and a shared-prefix split when a whole step starts from the same cache.
 
-Decode attention is bound by reading the KV cache: the PyTorch path gathers every decode
-sequence's blocks into a padded copy (read, write, then read again by SDPA), while the native
-kernel (``engine.attention.native``) reads each cached row once, straight through the block table.
-Prefill chunks have many query rows per sequence, where SDPA's blocked kernels win, so they keep
-the PyTorch path. Selected by ``attention_backend="cpu"``, or by ``auto`` on CPU when the kernel
-builds; without a C compiler ``auto`` falls back to ``torch``.
+Per sequence of a step:
+
+- decodes, and prefill chunks with few (query, key) pairs, go through one native call
+  (``engine.attention.native.paged_attention``) that reads each cached row straight through the
+  block table: no gathered copy, no padding, no call per sequence;
+- longer prefill chunks keep the PyTorch path (one SDPA call per sequence, over a gathered
+  context when there is one), whose GEMM-based kernel is several times faster per pair.
+
+Shared prefix ("cascade"): when every sequence's block table starts with the same ``P`` blocks
+and all queries come after them (many requests behind one system prompt, decoding together),
+the prefix is attended once for all query rows of the step, one SDPA call per layer over a
+single gathered copy, and the native kernel covers only each sequence's own keys (from position
+``P * block_size``); the two halves are merged by their log-sum-exp. Taken only when it saves
+work: enough rows times prefix tokens to pay for the extra call.
+
+Selected by ``attention_backend="cpu"``, or by ``auto`` on CPU when the kernel builds; without a
+C compiler ``auto`` falls back to ``torch``.
 """
 
 from __future__ import annotations
@@ -15,6 +27,21 @@ import torch
 from engine.attention import native
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
+
+# A prefill chunk takes the native kernel while its (query, key) pairs are at most this many:
+# below, SDPA's fixed cost per call (~0.2 ms) dominates; above, its blocked kernel (~5x less
+# per pair) wins. Measured at head_dim 64, bf16 and fp32 alike.
+NATIVE_MAX_PAIRS = 4096
+# The shared-prefix split costs one more SDPA call per layer (~0.6 ms at 64 decodes) and
+# saves the kernel's pass over the prefix for every sequence: worth it from about 64 sequences
+# x 256 prefix tokens (or fewer sequences with a longer prefix).
+CASCADE_MIN_PAIRS = 16384
+_sdpa_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _pairs(qlen: int, keys: int) -> int:
+    """(query, key) pairs of a causal chunk of ``qlen`` queries ending at the last of ``keys``."""
+    return qlen * keys - qlen * (qlen - 1) // 2
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -28,34 +55,109 @@ class CpuAttentionBackend(TorchAttentionBackend):
             )
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        nd = meta.num_decodes
-        if nd:
-            # Contiguous copies the kernel reads through raw pointers.
-            meta.extra["native_seq_lens"] = meta.seq_lens[:nd].contiguous()
-            meta.extra["native_block_tables"] = meta.block_tables[:nd].contiguous()
+        qsl, lens = meta.query_start_loc_list, meta.seq_lens_list
+        qlens = [qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)]
+        prefix = self._shared_prefix_tokens(meta, qlens)
+        if prefix and any(
+            _pairs(q, n - prefix) > NATIVE_MAX_PAIRS for q, n in zip(qlens, lens, strict=True)
+        ):
+            prefix = 0  # some chunk is long: its own keys would be slow in the native kernel
+        on_native = [
+            i
+            for i in range(meta.num_seqs)
+            if qlens[i] == 1 or _pairs(qlens[i], lens[i] - prefix) <= NATIVE_MAX_PAIRS
+        ]
+        meta.extra["sdpa_seqs"] = sorted(set(range(meta.num_seqs)) - set(on_native))
+        meta.extra["shared_prefix_tokens"] = prefix
+        if prefix:
+            blocks = meta.block_tables[0, : prefix // meta.block_size]
+            meta.extra["shared_prefix_blocks"] = blocks.contiguous()
+        if on_native:
+            idx = torch.tensor(on_native, dtype=torch.int64)
+            whole = len(on_native) == meta.num_seqs
+            starts = torch.tensor(qsl[:-1], dtype=torch.int64)
+            meta.extra["native_seqs"] = (
+                meta.block_tables.contiguous() if whole else meta.block_tables[idx].contiguous(),
+                meta.seq_lens.contiguous() if whole else meta.seq_lens[idx].contiguous(),
+                starts if whole else starts[idx].contiguous(),
+                torch.tensor([qlens[i] for i in on_native], dtype=torch.int64),
+            )
 
-    def decode_forward(
+    @staticmethod
+    def _shared_prefix_tokens(meta: AttentionMetadata, qlens: list[int]) -> int:
+        """Tokens of the longest run of leading blocks that every sequence of the step shares and
+        that precedes all of its queries, if the split pays for itself; else 0."""
+        if meta.num_seqs < 2:
+            return 0
+        bs = meta.block_size
+        limit = min(n - q for n, q in zip(meta.seq_lens_list, qlens, strict=True)) // bs
+        if limit * bs * meta.num_tokens < CASCADE_MIN_PAIRS:
+            return 0
+        tables = meta.block_tables[:, :limit]
+        same = (tables == tables[:1]).all(dim=0)
+        blocks = limit if bool(same.all()) else int(same.to(torch.int8).argmin())
+        tokens = blocks * bs
+        return tokens if tokens * meta.num_tokens >= CASCADE_MIN_PAIRS else 0
+
+    def forward(
         self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if q.dtype not in native.DTYPE_CODES:
+            # float16 has no native path: the reference handles the whole step.
+            if "decode_mask" not in meta.extra:
+                super().prepare(meta)
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+        self.write_kv(k, v, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
+        prefix = meta.extra["shared_prefix_tokens"]
+        seqs = meta.extra.get("native_seqs")
+        if prefix:
+            part = torch.empty_like(q)
+            part_lse = torch.empty(q.shape[:2], dtype=torch.float32)
+            native.paged_attention(
+                q, k_cache, v_cache, *seqs, part, scale, kv_start=prefix, lse=part_lse
+            )
+            self._merge_shared_prefix(q, k_cache, v_cache, meta, scale, part, part_lse, out)
+        elif seqs is not None:
+            native.paged_attention(q, k_cache, v_cache, *seqs, out, scale)
+        for i in meta.extra["sdpa_seqs"]:
+            self.prefill_one(q, k, v, k_cache, v_cache, meta, scale, out, i)
+        return out
+
+    @staticmethod
+    def _merge_shared_prefix(
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        part: torch.Tensor,
+        part_lse: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
-        nd = meta.num_decodes
-        if q.dtype not in native.DTYPE_CODES:
-            # float16 has no native path: the padded-gather reference handles it.
-            if "decode_mask" not in meta.extra:
-                super().prepare(meta)
-            super().decode_forward(q, k_cache, v_cache, meta, scale, out)
-            return
-        native.paged_decode_attention(
-            q[:nd],
-            k_cache,
-            v_cache,
-            meta.extra["native_block_tables"],
-            meta.extra["native_seq_lens"],
-            out[:nd],
-            scale,
+        """Attend every query row to the shared prefix in one SDPA call and merge with ``part``
+        (the rows' attention over their own keys) into ``out``."""
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        blocks = meta.extra["shared_prefix_blocks"]
+        kp = k_cache[blocks].view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+        vp = v_cache[blocks].view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+        # Rows of one KV head stacked: [1, Hkv, T * group, D].
+        qq = q.view(num_tokens, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
+        qq = qq.reshape(1, num_kv_heads, num_tokens * group, head_dim)
+        prefix_out, prefix_lse = _sdpa_with_lse(qq, kp, vp, 0.0, False, scale=scale)
+        native.merge_attention(
+            prefix_out.reshape(num_kv_heads, num_tokens * group, head_dim).contiguous(),
+            prefix_lse.reshape(num_kv_heads, num_tokens * group).contiguous(),
+            part,
+            part_lse,
+            out,
         )

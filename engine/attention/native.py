@@ -1,5 +1,5 @@
-"""Optional native (C, OpenMP) kernels, loaded through ctypes: paged decode attention and a
-row-wise argmax for greedy sampling.
+"""Optional native (C, OpenMP) kernels, loaded through ctypes: paged attention over a flat batch,
+a row-wise argmax for greedy sampling, and fused elementwise ops (``engine.model.fused``).
 
 The kernel is compiled on first use with the system C compiler (``$CC`` or ``cc``) into the cache
 directory, keyed by a hash of its source, the compiler flags and the CPU, so a process builds it
@@ -30,7 +30,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention.c", CSRC / "fused_ops.c")
+SOURCES = (CSRC / "paged_attention.c", CSRC / "fused_ops.c", CSRC / "argmax.c")
 HEADERS = (CSRC / "bf16.h",)
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -96,26 +96,31 @@ def load() -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", b"") or b""
         logger.warning("native attention kernel unavailable (%s) %s", exc, detail.decode()[-500:])
         return None
-    fn = lib.paged_decode_attention
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn = lib.paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [
-        ctypes.c_void_p,  # q
-        ctypes.c_void_p,  # k_cache
-        ctypes.c_void_p,  # v_cache
-        ctypes.c_void_p,  # block_tables
-        ctypes.c_void_p,  # seq_lens
-        ctypes.c_void_p,  # out
-        ctypes.c_int,  # num_seqs
-        ctypes.c_int,  # num_heads
-        ctypes.c_int,  # num_kv_heads
-        ctypes.c_int,  # head_dim
-        ctypes.c_int,  # block_size
-        ctypes.c_int64,  # bt_stride
-        ctypes.c_int64,  # q_stride
-        ctypes.c_int64,  # out_stride
+        ptr,  # q
+        ptr,  # k_cache
+        ptr,  # v_cache
+        ptr,  # block_tables
+        ptr,  # seq_lens
+        ptr,  # query_start
+        ptr,  # query_len
+        ptr,  # out
+        ptr,  # lse (float32) or NULL
+        i32,  # num_seqs
+        i32,  # num_heads
+        i32,  # num_kv_heads
+        i32,  # head_dim
+        i32,  # block_size
+        i64,  # bt_stride
+        i64,  # q_stride
+        i64,  # out_stride
+        i64,  # kv_start
         ctypes.c_float,  # scale
-        ctypes.c_int,  # dtype
-        ctypes.c_int,  # num_threads
+        i32,  # dtype
+        i32,  # num_threads
     ]
     am = lib.argmax_rows
     am.restype = None
@@ -128,7 +133,8 @@ def load() -> ctypes.CDLL | None:
         ctypes.c_void_p,  # out (int64)
         ctypes.c_int,  # num_threads
     ]
-    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.merge_attention.restype = None
+    lib.merge_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i64, i64, i32, i32]
     lib.add_rms_norm_bf16.restype = None
     lib.add_rms_norm_bf16.argtypes = [
         ptr,
@@ -177,22 +183,31 @@ def available() -> bool:
     return load() is not None
 
 
-def paged_decode_attention(
+def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    query_len: torch.Tensor,
     out: torch.Tensor,
     scale: float,
+    kv_start: int = 0,
+    lse: torch.Tensor | None = None,
 ) -> None:
-    """Write into ``out [S, H, D]`` the attention of ``q [S, H, D]`` (one token per sequence)
-    over the first ``seq_lens[s]`` cached tokens of each sequence ``s``."""
+    """Write into rows of ``out [T, H, D]`` the causal attention of ``q [T, H, D]``: sequence ``s``
+    owns the ``query_len[s]`` query tokens from ``query_start[s]`` on (so any subset of a batch's
+    sequences can be passed), the last at position ``seq_lens[s] - 1``, and each attends to the cached keys from position ``kv_start`` (a
+    multiple of the block size) up to its own. ``lse [T, H]`` (float32), when given, receives
+    each row's log-sum-exp of scores, for merging with attention over positions before
+    ``kv_start``."""
     lib = load()
     if lib is None:
         raise RuntimeError("native attention kernel is not available")
-    num_seqs, num_heads, head_dim = q.shape
+    num_heads, head_dim = q.shape[1], q.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
     for name, t in (("q", q), ("out", out)):
         if t.stride(2) != 1 or t.stride(1) != head_dim:
             raise ValueError(f"{name}: heads and head_dim must be contiguous")
@@ -200,18 +215,26 @@ def paged_decode_attention(
         raise ValueError("k_cache/v_cache: must be contiguous")
     if block_tables.dtype != torch.int64 or block_tables.stride(1) != 1:
         raise ValueError("block_tables: must be int64 with contiguous rows")
-    if seq_lens.dtype != torch.int64 or not seq_lens.is_contiguous():
-        raise ValueError("seq_lens: must be a contiguous int64 tensor")
+    for name, t in (("seq_lens", seq_lens), ("query_start", query_start), ("query_len", query_len)):
+        if t.dtype != torch.int64 or not t.is_contiguous() or t.shape != (num_seqs,):
+            raise ValueError(f"{name}: must be a contiguous int64 tensor [num_seqs]")
+    if lse is not None and (
+        lse.dtype != torch.float32 or not lse.is_contiguous() or lse.shape != q.shape[:2]
+    ):
+        raise ValueError("lse: must be a contiguous float32 tensor [num_tokens, num_heads]")
     dtype = DTYPE_CODES.get(q.dtype)
     if dtype is None or not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
         raise ValueError(f"dtype: float32 or bfloat16 everywhere, got {q.dtype}")
-    rc = lib.paged_decode_attention(
+    rc = lib.paged_attention(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         block_tables.data_ptr(),
         seq_lens.data_ptr(),
+        query_start.data_ptr(),
+        query_len.data_ptr(),
         out.data_ptr(),
+        lse.data_ptr() if lse is not None else None,
         num_seqs,
         num_heads,
         num_kv_heads,
@@ -220,9 +243,56 @@ def paged_decode_attention(
         block_tables.stride(0),
         q.stride(0),
         out.stride(0),
+        kv_start,
         scale,
         dtype,
         torch.get_num_threads(),
     )
+    if rc == -1:
+        raise MemoryError("paged_attention: out of memory")
     if rc != 0:
-        raise MemoryError("paged_decode_attention: out of memory")
+        raise ValueError(
+            "paged_attention: unsupported shape (at most 16 query heads per KV head, head_dim "
+            "at most 256, kv_start a multiple of the block size)"
+        )
+
+
+def merge_attention(
+    a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor, lse_b: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Combine two attentions of the same rows over disjoint keys, weighting each by its share
+    of the softmax mass: ``a [Hkv, T * group, D]`` with ``lse_a [Hkv, T * group]`` (per KV head,
+    the group's query rows stacked, as SDPA returns them for ``q.view(T, Hkv, group, D)``
+    permuted to ``[Hkv, T, group, D]``), and ``b``/``out [T, H, D]`` with ``lse_b [T, H]``."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("native attention kernel is not available")
+    num_tokens, num_heads, head_dim = b.shape
+    num_kv_heads = a.shape[0]
+    if not (a.is_contiguous() and lse_a.is_contiguous() and lse_b.is_contiguous()):
+        raise ValueError("a, lse_a, lse_b: must be contiguous")
+    if a.shape != (num_kv_heads, num_tokens * (num_heads // num_kv_heads), head_dim):
+        raise ValueError(f"a: shape {tuple(a.shape)} does not match b {tuple(b.shape)}")
+    if lse_a.dtype != torch.float32 or lse_b.dtype != torch.float32:
+        raise ValueError("lse_a, lse_b: must be float32")
+    for name, t in (("b", b), ("out", out)):
+        if t.stride(2) != 1 or t.stride(1) != head_dim:
+            raise ValueError(f"{name}: heads and head_dim must be contiguous")
+    dtype = DTYPE_CODES.get(b.dtype)
+    if dtype is None or not (a.dtype == b.dtype == out.dtype):
+        raise ValueError(f"dtype: float32 or bfloat16 everywhere, got {b.dtype}")
+    lib.merge_attention(
+        a.data_ptr(),
+        lse_a.data_ptr(),
+        b.data_ptr(),
+        lse_b.data_ptr(),
+        out.data_ptr(),
+        num_tokens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        b.stride(0),
+        out.stride(0),
+        dtype,
+        torch.get_num_threads(),
+    )

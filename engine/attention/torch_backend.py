@@ -84,30 +84,44 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> None:
         """Attention of the prefill sequences ``[num_decodes, num_seqs)`` into ``out``, one SDPA
         call each (their K/V must already be in the cache)."""
+        for i in range(meta.num_decodes, meta.num_seqs):
+            self.prefill_one(q, k, v, k_cache, v_cache, meta, scale, out, i)
+
+    @staticmethod
+    def prefill_one(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+        i: int,
+    ) -> None:
+        """Attention of sequence ``i``'s query tokens into ``out``: over the chunk's own K/V when
+        the chunk is the whole context, else over the context gathered from the cache."""
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-        nd = meta.num_decodes
-        qsl = meta.query_start_loc_list
-        for i in range(nd, meta.num_seqs):
-            start, end = qsl[i], qsl[i + 1]
-            qlen = end - start
-            ctx = meta.seq_lens_list[i]
-            qi = q[start:end].transpose(0, 1).unsqueeze(0)
-            if ctx == qlen:
-                ki = k[start:end].transpose(0, 1).unsqueeze(0)
-                vi = v[start:end].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(
-                    qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True
-                )
-            else:
-                nb = -(-ctx // block_size)
-                ids = meta.block_tables[i, :nb]
-                ki = k_cache[ids].view(-1, num_kv_heads, head_dim)[:ctx]
-                vi = v_cache[ids].view(-1, num_kv_heads, head_dim)[:ctx]
-                ki = ki.transpose(0, 1).unsqueeze(0)
-                vi = vi.transpose(0, 1).unsqueeze(0)
-                rows = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
-                mask = torch.arange(ctx, device=q.device)[None, :] <= rows
-                o = F.scaled_dot_product_attention(
-                    qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
-                )
-            out[start:end] = o.squeeze(0).transpose(0, 1)
+        start, end = meta.query_start_loc_list[i], meta.query_start_loc_list[i + 1]
+        qlen = end - start
+        ctx = meta.seq_lens_list[i]
+        qi = q[start:end].transpose(0, 1).unsqueeze(0)
+        if ctx == qlen:
+            ki = k[start:end].transpose(0, 1).unsqueeze(0)
+            vi = v[start:end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            nb = -(-ctx // block_size)
+            ids = meta.block_tables[i, :nb]
+            ki = k_cache[ids].view(-1, num_kv_heads, head_dim)[:ctx]
+            vi = v_cache[ids].view(-1, num_kv_heads, head_dim)[:ctx]
+            ki = ki.transpose(0, 1).unsqueeze(0)
+            vi = vi.transpose(0, 1).unsqueeze(0)
+            rows = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        out[start:end] = o.squeeze(0).transpose(0, 1)

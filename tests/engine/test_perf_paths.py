@@ -1,5 +1,5 @@
-"""Fast paths against their reference paths: the native paged decode kernel vs a plain softmax
-over each sequence's tokens, the ``cpu`` attention backend vs the pure-PyTorch one, and the
+"""Fast paths against their reference paths: the native paged attention kernel vs a plain softmax
+over each sequence's tokens, the shared-prefix split, the ``cpu`` attention backend vs the pure-PyTorch one, and the
 fallbacks when the kernel cannot be built."""
 
 from __future__ import annotations
@@ -20,74 +20,152 @@ needs_compiler = pytest.mark.skipif(
 )
 
 
-def reference_decode(q, k_cache, v_cache, tables, lens, scale):
-    """Attention of one query token per sequence over its first ``lens[s]`` cached tokens."""
-    num_seqs, num_heads, head_dim = q.shape
+def reference_attention(q, k_cache, v_cache, tables, lens, qlens, scale, kv_start=0):
+    """Causal attention of each sequence's query tokens (the last ``qlens[s]`` positions of its
+    ``lens[s]``) over its cached keys from ``kv_start``, with each row's log-sum-exp."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = []
-    for s in range(num_seqs):
-        n = int(lens[s])
+    outs, lses = [], []
+    start = 0
+    for s, (n, ql) in enumerate(zip(lens, qlens, strict=True)):
         blocks = tables[s, : -(-n // block_size)]
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()
-        qs = q[s].float().view(num_kv_heads, group, head_dim)
-        p = (torch.einsum("hgd,thd->hgt", qs, k) * scale).softmax(-1)
-        out.append(torch.einsum("hgt,thd->hgd", p, v).reshape(num_heads, head_dim))
-    return torch.stack(out)
+        qs = q[start : start + ql].float().view(ql, num_kv_heads, group, head_dim)
+        scores = torch.einsum("thgd,khd->thgk", qs, k) * scale
+        pos = torch.arange(n - ql, n)[:, None]
+        keys = torch.arange(n)[None, :]
+        seen = (keys <= pos) & (keys >= kv_start)
+        scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        p = torch.nan_to_num(torch.exp(scores - lse[..., None]))
+        outs.append(torch.einsum("thgk,khd->thgd", p, v).reshape(ql, num_heads, head_dim))
+        lses.append(lse.reshape(ql, num_heads))
+        start += ql
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _random_batch(dtype, heads, kv_heads, head_dim, block_size, lens, qlens, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 4 * sum(-(-n // block_size) for n in lens)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    max_blocks = -(-max(lens) // block_size)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * max_blocks]
+    q = torch.randn(sum(qlens), heads, head_dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables.view(len(lens), max_blocks)
+
+
+def _starts(qlens):
+    return torch.tensor([sum(qlens[:i]) for i in range(len(qlens))], dtype=torch.int64)
 
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,block_size",
-    [(9, 3, 64, 16), (4, 4, 64, 8), (8, 1, 64, 16), (4, 2, 16, 4), (6, 3, 32, 16)],
-    ids=["smollm2", "mha", "group8", "small-dim", "dim32"],
+    [(9, 3, 64, 16), (4, 4, 64, 8), (8, 1, 64, 16), (4, 2, 16, 4), (6, 3, 32, 16), (4, 2, 128, 32)],
+    ids=["smollm2", "mha", "group8", "small-dim", "dim32", "dim128"],
 )
-def test_native_decode_matches_reference(dtype, heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("kv_start_blocks", [0, 1])
+def test_native_attention_matches_reference(
+    dtype, heads, kv_heads, head_dim, block_size, kv_start_blocks
+):
+    """Decodes and prefill chunks in one call: lengths of 1, exactly a block, one past a block,
+    chunks after cached context, a whole prompt; with and without a skipped leading block."""
     assert native.available()
-    gen = torch.Generator().manual_seed(0)
-    num_blocks, num_seqs, max_blocks = 96, 7, 12
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * max_blocks].view(
-        num_seqs, max_blocks
-    )
-    # Lengths of 1, exactly a block, one past a block, and a full table.
-    lens = torch.tensor(
-        [
-            1,
-            block_size,
-            block_size + 1,
-            3,
-            2 * block_size - 1,
-            5 * block_size + 2,
-            max_blocks * block_size,
-        ],
-        dtype=torch.int64,
-    )
-    q = torch.randn(num_seqs, heads, head_dim, generator=gen).to(dtype)
+    bs = block_size
+    lens = [1, bs, bs + 1, 37, 70, 5, 2 * bs - 1, 100]
+    qlens = [1, bs, 1, 20, 70, 3, 1, 1]
+    q, k_cache, v_cache, tables = _random_batch(dtype, heads, kv_heads, head_dim, bs, lens, qlens)
     out = torch.full_like(q, float("nan"))
-    native.paged_decode_attention(q, k_cache, v_cache, tables, lens, out, head_dim**-0.5)
-    expected = reference_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+    lse = torch.full(q.shape[:2], float("nan"))
+    kv_start = kv_start_blocks * bs
+    native.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        torch.tensor(lens),
+        _starts(qlens),
+        torch.tensor(qlens),
+        out,
+        head_dim**-0.5,
+        kv_start=kv_start,
+        lse=lse,
+    )
+    expected, expected_lse = reference_attention(
+        q, k_cache, v_cache, tables, lens, qlens, head_dim**-0.5, kv_start
+    )
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    # Rows that see no key (the length-1 sequence past a skipped block): out 0, lse -inf.
+    torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-4)
 
 
 @needs_compiler
-def test_native_decode_writes_into_strided_rows():
-    """``out`` may be a row slice of a larger batch tensor (decodes first, prefills after)."""
-    gen = torch.Generator().manual_seed(1)
-    k_cache = torch.randn(8, 4, 2, 64, generator=gen)
-    v_cache = torch.randn(8, 4, 2, 64, generator=gen)
-    tables = torch.tensor([[3, 1], [0, 7]])
-    lens = torch.tensor([6, 8])
-    q_all = torch.randn(5, 4, 64, generator=gen)
-    out_all = torch.zeros(5, 4, 64)
-    native.paged_decode_attention(q_all[:2], k_cache, v_cache, tables, lens, out_all[:2], 0.125)
-    expected = reference_decode(q_all[:2], k_cache, v_cache, tables, lens, 0.125)
-    torch.testing.assert_close(out_all[:2], expected, atol=1e-5, rtol=1e-5)
-    assert torch.count_nonzero(out_all[2:]) == 0
+def test_native_attention_on_a_subset_writes_only_its_rows():
+    """A subset of a batch's sequences (with their own query offsets) leaves other rows alone."""
+    lens, qlens = [6, 9, 30], [1, 4, 2]
+    q, k_cache, v_cache, tables = _random_batch(torch.float32, 4, 2, 64, 4, lens, qlens, seed=1)
+    out = torch.zeros_like(q)
+    pick = torch.tensor([0, 2])
+    native.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        tables[pick].contiguous(),
+        torch.tensor(lens)[pick],
+        _starts(qlens)[pick].contiguous(),
+        torch.tensor(qlens)[pick],
+        out,
+        0.125,
+    )
+    expected, _ = reference_attention(q, k_cache, v_cache, tables, lens, qlens, 0.125)
+    rows = [0, 5, 6]
+    torch.testing.assert_close(out[rows], expected[rows], atol=1e-5, rtol=1e-5)
+    assert torch.count_nonzero(out[1:5]) == 0
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_prefix_split_matches_reference(dtype, monkeypatch):
+    """Every sequence behind the same 4 cached blocks: the backend attends the prefix once (SDPA)
+    and merges it with the kernel's pass over each sequence's own keys."""
+    from engine.attention import cpu_backend
+    from engine.attention.base import AttentionMetadata
+
+    monkeypatch.setattr(cpu_backend, "CASCADE_MIN_PAIRS", 1)
+    bs, heads, kv_heads, head_dim = 8, 6, 2, 64
+    prefix_blocks = 4
+    lens, qlens = [40, 33, 57, 35], [1, 1, 9, 3]
+    q, k_cache, v_cache, tables = _random_batch(dtype, heads, kv_heads, head_dim, bs, lens, qlens)
+    tables[:, :prefix_blocks] = tables[0, :prefix_blocks]
+    qsl = [0, *torch.tensor(qlens).cumsum(0).tolist()]
+    meta = AttentionMetadata(
+        num_tokens=sum(qlens),
+        num_decodes=2,
+        block_size=bs,
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl),
+        seq_lens=torch.tensor(lens),
+        block_tables=tables,
+        max_query_len=max(qlens),
+        max_seq_len=max(lens),
+        query_start_loc_list=qsl,
+        seq_lens_list=lens,
+    )
+    backend = cpu_backend.CpuAttentionBackend()
+    backend.prepare(meta)
+    assert meta.extra["shared_prefix_tokens"] == prefix_blocks * bs
+    # The step's new K/V are already in the cache here: write nothing.
+    backend.write_kv = lambda *args: None
+    empty = torch.empty(0, kv_heads, head_dim, dtype=dtype)
+    out = backend.forward(q, empty, empty, k_cache, v_cache, meta, head_dim**-0.5)
+    expected, _ = reference_attention(q, k_cache, v_cache, tables, lens, qlens, head_dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
 @needs_compiler

@@ -1,14 +1,27 @@
-/* Paged decode attention for CPUs: one query token per sequence, keys and values read straight
- * from the paged cache through the block table (no gathered copy, no padding).
+/* Paged attention for CPUs over one flat batch: decodes (one query token) and prefill chunks
+ * (query tokens after cached context) alike, keys and values read straight from the paged cache
+ * through the block table (no gathered copy, no padding).
  *
  * Layouts (element strides; heads and head_dim are contiguous in every tensor):
- *   q, out        [num_seqs, num_heads, head_dim]          row stride q_stride / out_stride
+ *   q, out        [num_tokens, num_heads, head_dim]         row stride q_stride / out_stride
  *   k_cache/v     [num_blocks, block_size, num_kv_heads, head_dim]
- *   block_tables  [num_seqs, bt_stride] int64; seq_lens [num_seqs] int64 (each >= 1)
- * Query head h reads KV head h / (num_heads / num_kv_heads) (grouped-query attention).
+ *   block_tables  [num_seqs, bt_stride] int64
+ *   seq_lens      [num_seqs] int64: context length, the sequence's query tokens included
+ *   query_start, query_len  [num_seqs] int64: sequence s owns the query_len[s] tokens from
+ *                 query_start[s] on (any subset of a batch), the last at position seq_lens[s] - 1
+ *   lse           NULL, or float32 [num_tokens, num_heads]: log-sum-exp of each row's scores
+ * Query token i of a sequence with qlen query tokens (position p = seq_len - qlen + i) attends
+ * to the keys at positions kv_start .. p: causal, aligned to the bottom right. kv_start is a
+ * multiple of block_size; a caller that attended to a shared prefix separately passes its length
+ * and merges the two partial results through lse. A row that sees no key gets out = 0 and
+ * lse = -inf. Query head h reads KV head h / (num_heads / num_kv_heads) (grouped-query attention).
  * dtype: 0 = float32, 1 = bfloat16; scores, softmax and accumulation are float32.
- * Work items are (sequence, KV head) pairs, shared out with OpenMP. The query rows of one KV
- * head are processed together so each cached K/V row is read once per step.
+ *
+ * Work items are (sequence, tile of query tokens, range of KV heads), shared out with OpenMP.
+ * Within an item the query rows of one KV head (the tile's tokens times the group) go through
+ * the keys together in one pass with an online softmax: each cached K/V row is read once per
+ * tile, and no buffer grows with the context. Keys are scored 16 at a time and their dot products
+ * reduced with one transposing horizontal sum, not one reduction per key and row.
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,8 +33,24 @@
 
 #include "bf16.h"
 
-#define MAX_GROUP 16
+#define MAX_ROWS 16 /* query rows of one KV head per pass */
+#define MAX_HEAD_DIM 256
+#define CHUNK 16 /* keys scored together */
 
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    const int64_t *block_tables, *seq_lens, *query_start, *query_len;
+    void *out;
+    float *lse;
+    int num_heads, group, head_dim, block_size, dtype;
+    int64_t bt_stride, q_stride, out_stride, row; /* row: elements per cache slot */
+    int64_t kv_start;
+    float scale;
+} attn_args;
+
+static inline float load_elem(const void *base, int64_t i, int dtype) {
+    return dtype == 1 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
 
 /* Load head_dim elements at base[offset] as float32 into dst. */
 static inline void load_row(const void *base, int64_t offset, int dtype, int dim, float *dst) {
@@ -41,9 +70,54 @@ static inline __m512 load16(const void *base, int64_t offset, int dtype) {
     }
     return _mm512_loadu_ps((const float *)base + offset);
 }
+
+/* Lane j of the result is the sum of the 16 lanes of v[j]. */
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 w[8], u[4], z[2];
+    for (int i = 0; i < 8; i++) {
+        const __m512 x = v[2 * i], y = v[2 * i + 1];
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512 x = w[2 * i], y = w[2 * i + 1];
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+    }
+    for (int i = 0; i < 2; i++) {
+        const __m512 x = u[2 * i], y = u[2 * i + 1];
+        z[i] = _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* Lane 4k + e of s holds the sum of v[k + 4e]. */
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(idx, s);
+}
+
+/* e^x for x <= 0: Cody-Waite reduction and a degree-7 polynomial, ~1e-7 relative error. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
 #endif
 
-/* scores[g * ctx + t] = q_g . k_t for every token t of the sequence. */
+/* Decode rows (one query token, the group's rows of one KV head) score every key first, then
+ * take one softmax and one weighted sum: at a single query token this two-pass loop over the
+ * keys beats the online tiled pass (fewer operations per key), and the scores of one sequence
+ * fit in a small buffer.
+ * scores[g * ctx + t] = q_g . k_t for the ctx keys from the start of block table[0]. */
 static void qk_scores(const float *qf, const void *k_cache, const int64_t *table, int64_t ctx,
                       int group, int head_dim, int block_size, int64_t row, int64_t head_off,
                       int dtype, float *scores, float *tmp) {
@@ -79,7 +153,7 @@ static void qk_scores(const float *qf, const void *k_cache, const int64_t *table
     }
 }
 
-/* acc[g] = sum_t p[g, t] * v_t. */
+/* acc[g] = sum_t p[g, t] * v_t over the same keys. */
 static void pv_accumulate(const float *probs, const void *v_cache, const int64_t *table,
                           int64_t ctx, int group, int head_dim, int block_size, int64_t row,
                           int64_t head_off, int dtype, float *acc, float *tmp) {
@@ -126,109 +200,356 @@ static void pv_accumulate(const float *probs, const void *v_cache, const int64_t
     }
 }
 
-int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
-                           const int64_t *block_tables, const int64_t *seq_lens, void *out,
-                           int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                           int block_size, int64_t bt_stride, int64_t q_stride,
-                           int64_t out_stride, float scale, int dtype, int num_threads) {
+/* sc[r][j] = scale * q_r . k_j for the n keys of a chunk starting at element kbase. */
+static void score_chunk(const attn_args *a, const float *qf, const uint16_t *qb, int R,
+                        int64_t kbase, int n, float sc[][CHUNK]) {
+    const int D = a->head_dim, dtype = a->dtype;
+    const int64_t row = a->row;
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        __m512 part[CHUNK];
+        for (int r = 0; r < R; r++) {
+#if defined(__AVX512BF16__)
+            if (qb != NULL) {
+                /* bf16 query and key: exact products, float32 sums. */
+                const uint16_t *qr = qb + (size_t)r * D;
+                for (int j = 0; j < n; j++) {
+                    const uint16_t *kr = (const uint16_t *)a->k_cache + kbase + j * row;
+                    __m512 s = _mm512_setzero_ps();
+                    for (int d = 0; d < D; d += 32)
+                        s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(qr + d),
+                                             (__m512bh)_mm512_loadu_si512(kr + d));
+                    part[j] = s;
+                }
+                for (int j = n; j < CHUNK; j++) part[j] = _mm512_setzero_ps();
+                _mm512_storeu_ps(sc[r], _mm512_mul_ps(hsum16(part), _mm512_set1_ps(a->scale)));
+                continue;
+            }
+#endif
+            const float *qr = qf + (size_t)r * D;
+            for (int j = 0; j < n; j++) {
+                const int64_t off = kbase + j * row;
+                __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qr), load16(a->k_cache, off, dtype));
+                for (int d = 16; d < D; d += 16)
+                    s = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), load16(a->k_cache, off + d, dtype), s);
+                part[j] = s;
+            }
+            for (int j = n; j < CHUNK; j++) part[j] = _mm512_setzero_ps();
+            _mm512_storeu_ps(sc[r], _mm512_mul_ps(hsum16(part), _mm512_set1_ps(a->scale)));
+        }
+        return;
+    }
+#endif
+    (void)qb;
+    for (int r = 0; r < R; r++) {
+        const float *qr = qf + (size_t)r * D;
+        for (int j = 0; j < n; j++) {
+            float dot = 0.0f;
+            for (int d = 0; d < D; d++) dot += qr[d] * load_elem(a->k_cache, kbase + j * row + d, dtype);
+            sc[r][j] = dot * a->scale;
+        }
+    }
+}
+
+/* Online softmax: fold the chunk's scores of one row (its first nv >= 1 keys visible) into the
+ * running maximum m and sum l (l == 0: nothing seen yet, m unset), rescale the row's
+ * accumulator when the maximum grows, and leave the chunk's probabilities in sc (0 if unseen).
+ * No infinities: the library is built with -ffast-math. */
+static void softmax_chunk(float *sc, int nv, float *m, float *l, float *acc, int D) {
+#if defined(__AVX512F__)
+    const __mmask16 keep = (__mmask16)((1u << nv) - 1u);
+    const __m512 s = _mm512_loadu_ps(sc);
+    const float mx = _mm512_mask_reduce_max_ps(keep, s);
+#else
+    float mx = sc[0];
+    for (int j = 1; j < nv; j++) mx = sc[j] > mx ? sc[j] : mx;
+#endif
+    if (*l > 0.0f && mx > *m) {
+        const float alpha = expf(*m - mx);
+        *l *= alpha;
+        for (int d = 0; d < D; d++) acc[d] *= alpha;
+    }
+    if (*l == 0.0f || mx > *m) *m = mx;
+    const float mn = *m;
+#if defined(__AVX512F__)
+    const __m512 p = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
+    _mm512_storeu_ps(sc, p);
+    *l += _mm512_reduce_add_ps(p);
+#else
+    float sum = 0.0f;
+    for (int j = 0; j < CHUNK; j++) {
+        sc[j] = j < nv ? expf(sc[j] - mn) : 0.0f;
+        sum += sc[j];
+    }
+    *l += sum;
+#endif
+}
+
+/* acc[r] += sum_j prob[r][j] * v_j over the n values of a chunk starting at element vbase. */
+static void pv_chunk(const attn_args *a, float prob[][CHUNK], int R, int64_t vbase, int n,
+                     float *acc) {
+    const int D = a->head_dim, dtype = a->dtype;
+    const int64_t row = a->row;
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        /* Registers hold 4 rows x 64 dims of the accumulator at a time. */
+        for (int d0 = 0; d0 < D; d0 += 64) {
+            const int nc = D - d0 < 64 ? (D - d0) / 16 : 4;
+            for (int r0 = 0; r0 < R; r0 += 4) {
+                const int nr = R - r0 < 4 ? R - r0 : 4;
+                __m512 c[4][4];
+                for (int i = 0; i < nr; i++)
+                    for (int k = 0; k < nc; k++)
+                        c[i][k] = _mm512_loadu_ps(acc + (size_t)(r0 + i) * D + d0 + 16 * k);
+                for (int j = 0; j < n; j++) {
+                    const int64_t off = vbase + j * row + d0;
+                    __m512 v[4];
+                    for (int k = 0; k < nc; k++) v[k] = load16(a->v_cache, off + 16 * k, dtype);
+                    for (int i = 0; i < nr; i++) {
+                        const __m512 p = _mm512_set1_ps(prob[r0 + i][j]);
+                        for (int k = 0; k < nc; k++) c[i][k] = _mm512_fmadd_ps(p, v[k], c[i][k]);
+                    }
+                }
+                for (int i = 0; i < nr; i++)
+                    for (int k = 0; k < nc; k++)
+                        _mm512_storeu_ps(acc + (size_t)(r0 + i) * D + d0 + 16 * k, c[i][k]);
+            }
+        }
+        return;
+    }
+#endif
+    for (int j = 0; j < n; j++)
+        for (int r = 0; r < R; r++) {
+            const float p = prob[r][j];
+            float *ar = acc + (size_t)r * D;
+            for (int d = 0; d < D; d++) ar[d] += p * load_elem(a->v_cache, vbase + j * row + d, dtype);
+        }
+}
+
+/* Attention of query tokens [t0, t1) of sequence s for KV heads [h0, h1). */
+static void attend_tile(const attn_args *a, int s, int64_t t0, int64_t t1, int h0, int h1) {
+    const int G = a->group, D = a->head_dim, bs = a->block_size, dtype = a->dtype;
+    const int64_t qbase = a->query_start[s];
+    const int64_t qlen = a->query_len[s];
+    const int64_t first_pos = a->seq_lens[s] - qlen;
+    const int64_t kv_end = first_pos + t1; /* keys [kv_start, kv_end) */
+    const int64_t *table = a->block_tables + (int64_t)s * a->bt_stride;
+    const int R = (int)(t1 - t0) * G;
+    float qf[MAX_ROWS * MAX_HEAD_DIM], acc[MAX_ROWS * MAX_HEAD_DIM];
+    float m[MAX_ROWS], l[MAX_ROWS], sc[MAX_ROWS][CHUNK];
+    int64_t limit[MAX_ROWS];
+    const uint16_t *qb = NULL;
+#if defined(__AVX512BF16__)
+    uint16_t qbuf[MAX_ROWS * MAX_HEAD_DIM];
+    if (dtype == 1 && D % 32 == 0) qb = qbuf;
+#endif
+
+    for (int kvh = h0; kvh < h1; kvh++) {
+        const int64_t head_off = (int64_t)kvh * D;
+        for (int r = 0; r < R; r++) {
+            const int64_t off = (qbase + t0 + r / G) * a->q_stride + (int64_t)(kvh * G + r % G) * D;
+            for (int d = 0; d < D; d++) qf[r * D + d] = load_elem(a->q, off + d, dtype);
+            if (qb != NULL) memcpy((uint16_t *)qb + r * D, (const uint16_t *)a->q + off, 2 * (size_t)D);
+            limit[r] = first_pos + t0 + r / G;
+            m[r] = 0.0f;
+            l[r] = 0.0f;
+        }
+        memset(acc, 0, sizeof(float) * (size_t)R * D);
+
+        for (int64_t p0 = a->kv_start; p0 < kv_end;) {
+            /* A chunk stays inside one block. */
+            const int64_t left_in_block = bs - p0 % bs;
+            int n = (int)(left_in_block < CHUNK ? left_in_block : CHUNK);
+            if (kv_end - p0 < n) n = (int)(kv_end - p0);
+            const int64_t base = (table[p0 / bs] * bs + p0 % bs) * a->row + head_off;
+            score_chunk(a, qf, qb, R, base, n, sc);
+            for (int r = 0; r < R; r++) {
+                const int64_t vis = limit[r] - p0 + 1;
+                const int nv = vis < n ? (int)(vis > 0 ? vis : 0) : n;
+                if (nv == 0) {
+                    memset(sc[r], 0, sizeof(sc[r]));
+                    continue;
+                }
+                softmax_chunk(sc[r], nv, &m[r], &l[r], acc + (size_t)r * D, D);
+            }
+            pv_chunk(a, sc, R, base, n, acc);
+            p0 += n;
+        }
+
+        for (int r = 0; r < R; r++) {
+            const int64_t tok = qbase + t0 + r / G;
+            const int h = kvh * G + r % G;
+            const int64_t off = tok * a->out_stride + (int64_t)h * D;
+            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+            for (int d = 0; d < D; d++) {
+                const float v = acc[r * D + d] * inv;
+                if (dtype == 1)
+                    ((uint16_t *)a->out)[off + d] = f32_to_bf16(v);
+                else
+                    ((float *)a->out)[off + d] = v;
+            }
+            if (a->lse != NULL)
+                a->lse[tok * a->num_heads + h] = l[r] > 0.0f ? m[r] + logf(l[r]) : -INFINITY;
+        }
+    }
+}
+
+/* Attention of the single query token of sequence s for KV head kvh. Returns 0, or -1 when the
+ * score buffer cannot be allocated. */
+static int attend_decode(const attn_args *a, int s, int kvh) {
+    const int G = a->group, D = a->head_dim, bs = a->block_size, dtype = a->dtype;
+    const int64_t tok = a->query_start[s];
+    const int64_t ctx = a->seq_lens[s] - a->kv_start;
+    const int64_t *table = a->block_tables + (int64_t)s * a->bt_stride + a->kv_start / bs;
+    const int64_t head_off = (int64_t)kvh * D;
+    if (ctx <= 0) {
+        for (int g = 0; g < G; g++) {
+            const int h = kvh * G + g;
+            const int64_t off = tok * a->out_stride + (int64_t)h * D;
+            for (int d = 0; d < D; d++) {
+                if (dtype == 1) ((uint16_t *)a->out)[off + d] = 0;
+                else ((float *)a->out)[off + d] = 0.0f;
+            }
+            if (a->lse != NULL) a->lse[tok * a->num_heads + h] = -INFINITY;
+        }
+        return 0;
+    }
+    float *buf = (float *)malloc(sizeof(float) * ((size_t)G * (size_t)ctx + (size_t)(2 * G + 1) * D));
+    if (buf == NULL) return -1;
+    float *scores = buf;                          /* [G, ctx] */
+    float *qf = scores + (size_t)G * (size_t)ctx; /* [G, D] */
+    float *acc = qf + (size_t)G * D;              /* [G, D] */
+    float *tmp = acc + (size_t)G * D;             /* [D] */
+    for (int g = 0; g < G; g++) {
+        const int64_t off = tok * a->q_stride + (int64_t)(kvh * G + g) * D;
+        load_row(a->q, off, dtype, D, qf + (size_t)g * D);
+        for (int d = 0; d < D; d++) qf[(size_t)g * D + d] *= a->scale;
+    }
+    qk_scores(qf, a->k_cache, table, ctx, G, D, bs, a->row, head_off, dtype, scores, tmp);
+    float lse[MAX_ROWS];
+    for (int g = 0; g < G; g++) {
+        float *sg = scores + (size_t)g * ctx;
+        float mx = sg[0];
+        for (int64_t t = 1; t < ctx; t++) mx = sg[t] > mx ? sg[t] : mx;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < ctx; t++) {
+            sg[t] = expf(sg[t] - mx);
+            sum += sg[t];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < ctx; t++) sg[t] *= inv;
+        lse[g] = mx + logf(sum);
+    }
+    pv_accumulate(scores, a->v_cache, table, ctx, G, D, bs, a->row, head_off, dtype, acc, tmp);
+    for (int g = 0; g < G; g++) {
+        const int h = kvh * G + g;
+        const int64_t off = tok * a->out_stride + (int64_t)h * D;
+        const float *ag = acc + (size_t)g * D;
+        if (dtype == 1) {
+            uint16_t *o = (uint16_t *)a->out + off;
+            for (int d = 0; d < D; d++) o[d] = f32_to_bf16(ag[d]);
+        } else {
+            memcpy((float *)a->out + off, ag, sizeof(float) * (size_t)D);
+        }
+        if (a->lse != NULL) a->lse[tok * a->num_heads + h] = lse[g];
+    }
+    free(buf);
+    return 0;
+}
+
+int paged_attention(const void *q, const void *k_cache, const void *v_cache,
+                    const int64_t *block_tables, const int64_t *seq_lens,
+                    const int64_t *query_start, const int64_t *query_len, void *out,
+                    float *lse, int num_seqs,
+                    int num_heads, int num_kv_heads, int head_dim, int block_size,
+                    int64_t bt_stride, int64_t q_stride, int64_t out_stride, int64_t kv_start,
+                    float scale, int dtype, int num_threads) {
     const int group = num_heads / num_kv_heads;
-    const int64_t row = (int64_t)num_kv_heads * head_dim; /* elements per cache slot */
+    if (group > MAX_ROWS || head_dim > MAX_HEAD_DIM) return -2;
+    if (kv_start % block_size) return -3;
+    const attn_args a = {q, k_cache, v_cache, block_tables, seq_lens, query_start, query_len, out, lse,
+                         num_heads, group, head_dim, block_size, dtype, bt_stride, q_stride,
+                         out_stride, (int64_t)num_kv_heads * head_dim, kv_start, scale};
+    const int tile = MAX_ROWS / group; /* query tokens per item */
+
+    /* Items: every sequence's query tiles, split by KV head when there are too few to keep the
+     * threads busy (a batch of one) and always for decodes (one tile of one token). */
+    int64_t num_tiles = 0;
+    for (int s = 0; s < num_seqs; s++)
+        num_tiles += (query_len[s] + tile - 1) / tile;
+    const int splits = num_tiles < 4 * (int64_t)num_threads ? num_kv_heads : 1;
+    int64_t *items = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)(num_tiles > 0 ? num_tiles : 1));
+    if (items == NULL) return -1;
+    int64_t k = 0;
     int failed = 0;
-    if (group > MAX_GROUP) return -2;
+    for (int s = 0; s < num_seqs; s++)
+        for (int64_t t = 0; t < query_len[s]; t += tile) {
+            items[2 * k] = s;
+            items[2 * k + 1] = t;
+            k++;
+        }
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t item = 0; item < (int64_t)num_seqs * num_kv_heads; item++) {
-        const int s = (int)(item / num_kv_heads);
-        const int kvh = (int)(item % num_kv_heads);
-        const int64_t ctx = seq_lens[s];
-        const int64_t *table = block_tables + (int64_t)s * bt_stride;
-        const int64_t head_off = (int64_t)kvh * head_dim;
-        float *buf = (float *)malloc(sizeof(float) * ((size_t)group * (size_t)ctx +
-                                                      (size_t)(2 * group + 1) * head_dim));
-        if (buf == NULL) {
-            failed = 1;
+    for (int64_t it = 0; it < num_tiles * splits; it++) {
+        const int64_t i = it / splits;
+        const int s = (int)items[2 * i];
+        const int64_t t0 = items[2 * i + 1];
+        const int64_t qlen = query_len[s];
+        const int64_t t1 = t0 + tile < qlen ? t0 + tile : qlen;
+        if (qlen == 1) {
+            /* Decodes split by KV head in any case: item (s, 0) covers all of them when there
+             * is no split, so run each head here. */
+            const int h0 = splits == 1 ? 0 : (int)(it % splits);
+            const int h1 = splits == 1 ? num_kv_heads : h0 + 1;
+            for (int h = h0; h < h1; h++)
+                if (attend_decode(&a, s, h) != 0) failed = 1;
             continue;
         }
-        float *scores = buf;                              /* [group, ctx] */
-        float *qf = scores + (size_t)group * (size_t)ctx; /* [group, head_dim] */
-        float *acc = qf + (size_t)group * head_dim;       /* [group, head_dim] */
-        float *tmp = acc + (size_t)group * head_dim;      /* [head_dim] */
-
-        for (int g = 0; g < group; g++) {
-            const int64_t off = (int64_t)s * q_stride + (int64_t)(kvh * group + g) * head_dim;
-            float *qg = qf + (size_t)g * head_dim;
-            load_row(q, off, dtype, head_dim, qg);
-            for (int d = 0; d < head_dim; d++) qg[d] *= scale;
-        }
-
-        qk_scores(qf, k_cache, table, ctx, group, head_dim, block_size, row, head_off, dtype,
-                  scores, tmp);
-
-        for (int g = 0; g < group; g++) {
-            float *sg = scores + (size_t)g * ctx;
-            float mx = sg[0];
-            for (int64_t t = 1; t < ctx; t++) mx = sg[t] > mx ? sg[t] : mx;
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < ctx; t++) {
-                sg[t] = expf(sg[t] - mx);
-                sum += sg[t];
-            }
-            const float inv = 1.0f / sum;
-#pragma omp simd
-            for (int64_t t = 0; t < ctx; t++) sg[t] *= inv;
-        }
-
-        pv_accumulate(scores, v_cache, table, ctx, group, head_dim, block_size, row, head_off,
-                      dtype, acc, tmp);
-
-        for (int g = 0; g < group; g++) {
-            const int64_t off = (int64_t)s * out_stride + (int64_t)(kvh * group + g) * head_dim;
-            const float *ag = acc + (size_t)g * head_dim;
-            if (dtype == 1) {
-                uint16_t *o = (uint16_t *)out + off;
-                for (int d = 0; d < head_dim; d++) o[d] = f32_to_bf16(ag[d]);
-            } else {
-                memcpy((float *)out + off, ag, sizeof(float) * (size_t)head_dim);
-            }
-        }
-        free(buf);
+        const int h0 = splits == 1 ? 0 : (int)(it % splits);
+        const int h1 = splits == 1 ? num_kv_heads : h0 + 1;
+        attend_tile(&a, s, t0, t1, h0, h1);
     }
+    free(items);
     return failed ? -1 : 0;
 }
 
-/* out[r] = index of the first maximum of row r of x [rows, cols >= 1] (row stride `stride`),
- * like torch.argmax for rows without NaN (this file is built with -ffast-math, so NaN rows are
- * not defined here; callers keep torch.argmax where NaN matters). dtype as above. */
-void argmax_rows(const void *x, int64_t rows, int64_t cols, int64_t stride, int dtype,
-                 int64_t *out, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if(rows * cols >= (1 << 18))
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t best = 0;
-        if (dtype == 1) {
-            const uint16_t *p = (const uint16_t *)x + r * stride;
-            float mx = bf16_to_f32(p[0]);
-            for (int64_t c = 1; c < cols; c++) {
-                const float v = bf16_to_f32(p[c]);
-                mx = v > mx ? v : mx;
-            }
-            for (int64_t c = 0; c < cols; c++) {
-                if (bf16_to_f32(p[c]) == mx) {
-                    best = c;
-                    break;
-                }
-            }
-        } else {
-            const float *p = (const float *)x + r * stride;
-            float mx = p[0];
-            for (int64_t c = 1; c < cols; c++) mx = p[c] > mx ? p[c] : mx;
-            for (int64_t c = 0; c < cols; c++) {
-                if (p[c] == mx) {
-                    best = c;
-                    break;
-                }
+/* Merge two partial attentions of the same query rows over disjoint key sets:
+ * out[t, h] = (a * e^(lse_a - m) + b * e^(lse_b - m)) / (e^(lse_a - m) + e^(lse_b - m)),
+ * m = max(lse_a, lse_b). a is laid out [num_kv_heads, num_tokens * group, head_dim] (a prefix
+ * attention computed per KV head with the group's rows stacked), its lse
+ * [num_kv_heads, num_tokens * group]; b and out are [num_tokens, num_heads, head_dim] (row
+ * strides b_stride / out_stride) with lse_b [num_tokens, num_heads]. Every row of b has lse_b
+ * finite (each query sees at least itself). */
+void merge_attention(const void *a, const float *lse_a, const void *b, const float *lse_b,
+                     void *out, int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim,
+                     int64_t b_stride, int64_t out_stride, int dtype, int num_threads) {
+    const int G = num_heads / num_kv_heads, D = head_dim;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if(num_tokens * num_heads * head_dim >= (1 << 16))
+    for (int64_t t = 0; t < num_tokens; t++) {
+        for (int h = 0; h < num_heads; h++) {
+            const int kvh = h / G, g = h % G;
+            const int64_t arow = (int64_t)kvh * num_tokens * G + t * G + g;
+            const float la = lse_a[arow], lb = lse_b[t * num_heads + h];
+            const float mx = la > lb ? la : lb;
+            const float wa = expf(la - mx), wb = expf(lb - mx);
+            const float inv = 1.0f / (wa + wb);
+            const float ca = wa * inv, cb = wb * inv;
+            const int64_t aoff = arow * D, boff = t * b_stride + (int64_t)h * D;
+            const int64_t ooff = t * out_stride + (int64_t)h * D;
+            if (dtype == 1) {
+                const uint16_t *ap = (const uint16_t *)a + aoff, *bp = (const uint16_t *)b + boff;
+                uint16_t *op = (uint16_t *)out + ooff;
+#pragma omp simd
+                for (int d = 0; d < D; d++)
+                    op[d] = f32_to_bf16(ca * bf16_to_f32(ap[d]) + cb * bf16_to_f32(bp[d]));
+            } else {
+                const float *ap = (const float *)a + aoff, *bp = (const float *)b + boff;
+                float *op = (float *)out + ooff;
+#pragma omp simd
+                for (int d = 0; d < D; d++) op[d] = ca * ap[d] + cb * bp[d];
             }
         }
-        out[r] = best;
     }
 }
