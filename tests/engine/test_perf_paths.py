@@ -192,6 +192,33 @@ def test_cpu_backend_generates_like_torch_backend(tiny_llama, dtype):
         assert [o[:4] for o in outs["cpu"]] == [o[:4] for o in outs["torch"]]
 
 
+@needs_compiler
+def test_shared_prefix_split_generates_like_torch_backend(tiny_llama, monkeypatch):
+    """Every prompt behind one system prompt: after the first step all sequences share its
+    blocks, the backend takes the shared-prefix split, and greedy tokens (float32) are those of
+    the reference backend."""
+    from engine.attention import cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "CASCADE_MIN_PAIRS", 1)
+    used = []
+    merge = cpu_backend.CpuAttentionBackend._merge_shared_prefix
+    monkeypatch.setattr(
+        cpu_backend.CpuAttentionBackend,
+        "_merge_shared_prefix",
+        staticmethod(lambda *args: used.append(1) or merge(*args)),
+    )
+    rng = random.Random(5)
+    system = [rng.randrange(3, 512) for _ in range(37)]
+    prompts = [system + [rng.randrange(3, 512) for _ in range(n)] for n in (1, 4, 9, 20, 33)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "cpu"):
+        llm = LLM(model=str(tiny_llama), dtype="float32", attention_backend=backend, block_size=8)
+        outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert used
+    assert outs["cpu"] == outs["torch"]
+
+
 def test_without_native_kernel_auto_falls_back_to_torch(monkeypatch):
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     native.load.cache_clear()

@@ -123,6 +123,56 @@ def test_prefix_hit_is_skipped_by_the_prefill():
     assert out.first_scheduled == [second]
 
 
+def _with_prompt(sim: Sim, rid: str, tokens: list[int]) -> Request:
+    sim.clock += 1.0
+    request = Request(
+        rid, tokens, SamplingParams(max_tokens=1), block_size=BS, arrival_time=sim.clock
+    )
+    sim.sched.add_request(request)
+    return request
+
+
+def test_requests_behind_an_uncomputed_shared_prefix_wait_for_it():
+    """Three requests share a 3-block prompt prefix that nobody has computed: the first computes
+    it, the other two wait one step and hit it; an unrelated request behind them is not held."""
+    sim = Sim(max_num_batched_tokens=64)
+    shared = [next(_tokens) for _ in range(12)]
+    first = _with_prompt(sim, "first", shared + [1, 2])
+    twins = [_with_prompt(sim, f"twin{i}", shared + [3 + i, 4]) for i in range(2)]
+    other = _with_prompt(sim, "other", [next(_tokens) for _ in range(6)])
+    assert plan(sim.step()) == {"first": 14, "other": 6}
+    assert all(t.status == RequestStatus.WAITING for t in twins)
+    out = sim.step()
+    assert plan(out) == {"twin0": 2, "twin1": 2}
+    assert [t.num_cached_tokens for t in twins] == [12, 12]
+    assert first.is_finished and other.is_finished
+    # They hold the very blocks the first request computed.
+    assert sim.kv.block_ids("twin0")[:3] == sim.kv.block_ids("twin1")[:3]
+
+
+def test_shared_prefix_wait_spans_a_chunked_prefill():
+    """The prefix owner is prefilled in chunks: a request sharing it waits while its next block
+    is still to be computed, then hits everything computed so far."""
+    sim = Sim(max_num_batched_tokens=8)
+    shared = [next(_tokens) for _ in range(16)]
+    _with_prompt(sim, "owner", shared + [1])
+    follower = _with_prompt(sim, "follower", shared + [2])
+    for _ in range(2):
+        assert plan(sim.step()) == {"owner": 8}
+        assert follower.status == RequestStatus.WAITING
+    out = sim.step()
+    assert plan(out) == {"owner": 1, "follower": 1}
+    assert follower.num_cached_tokens == 16
+
+
+def test_without_prefix_caching_nothing_waits():
+    sim = Sim(max_num_batched_tokens=64, enable_prefix_caching=False)
+    shared = [next(_tokens) for _ in range(12)]
+    _with_prompt(sim, "a", shared + [1])
+    _with_prompt(sim, "b", shared + [2])
+    assert plan(sim.step()) == {"a": 13, "b": 13}
+
+
 def fill_pool_with_decodes(sim: Sim, rids: str, priorities: list[int] | None = None) -> None:
     """Admit one 4-token request per id, each filling one block, then run their prefill: every
     request then needs a second block for its first decode."""
