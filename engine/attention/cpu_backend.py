@@ -71,7 +71,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta.extra["shared_prefix_tokens"] = prefix
         if prefix:
             blocks = meta.block_tables[0, : prefix // meta.block_size]
-            meta.extra["shared_prefix_blocks"] = blocks.contiguous()
+            first = int(blocks[0])
+            if torch.equal(blocks, torch.arange(first, first + len(blocks))):
+                # Consecutive ids (one allocation): read the cache in place, no gather.
+                meta.extra["shared_prefix_blocks"] = slice(first, first + len(blocks))
+            else:
+                meta.extra["shared_prefix_blocks"] = blocks.contiguous()
         if on_native:
             idx = torch.tensor(on_native, dtype=torch.int64)
             whole = len(on_native) == meta.num_seqs
@@ -148,8 +153,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
         blocks = meta.extra["shared_prefix_blocks"]
-        kp = k_cache[blocks].view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
-        vp = v_cache[blocks].view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+        if isinstance(blocks, slice):
+            kp, vp = k_cache[blocks], v_cache[blocks]
+        else:
+            kp, vp = k_cache.index_select(0, blocks), v_cache.index_select(0, blocks)
+        kp = kp.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+        vp = vp.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
         # Rows of one KV head stacked: [1, Hkv, T * group, D].
         qq = q.view(num_tokens, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
         qq = qq.reshape(1, num_kv_heads, num_tokens * group, head_dim)

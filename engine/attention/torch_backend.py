@@ -63,8 +63,9 @@ class TorchAttentionBackend(AttentionBackend):
         nd = meta.num_decodes
         tables = meta.extra["decode_block_tables"]
         span = tables.shape[1] * block_size
-        kk = k_cache[tables].view(nd, span, num_kv_heads, head_dim).transpose(1, 2)
-        vv = v_cache[tables].view(nd, span, num_kv_heads, head_dim).transpose(1, 2)
+        flat = tables.reshape(-1)
+        kk = k_cache.index_select(0, flat).view(nd, span, num_kv_heads, head_dim).transpose(1, 2)
+        vv = v_cache.index_select(0, flat).view(nd, span, num_kv_heads, head_dim).transpose(1, 2)
         qq = q[:nd].view(nd, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(
             qq, kk, vv, attn_mask=meta.extra["decode_mask"], scale=scale
@@ -115,8 +116,9 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             nb = -(-ctx // block_size)
             ids = meta.block_tables[i, :nb]
-            ki = k_cache[ids].view(-1, num_kv_heads, head_dim)[:ctx]
-            vi = v_cache[ids].view(-1, num_kv_heads, head_dim)[:ctx]
+            # index_select: several times faster than advanced indexing for a gather of rows.
+            ki = k_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:ctx]
+            vi = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:ctx]
             ki = ki.transpose(0, 1).unsqueeze(0)
             vi = vi.transpose(0, 1).unsqueeze(0)
             rows = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]

@@ -1,0 +1,161 @@
+"""Attention kernels on CPU, one layer at a time: where the native kernel, SDPA and the
+shared-prefix split each win (the thresholds in ``engine.attention.cpu_backend``).
+
+    python -m benchmarks.attention                  # SmolLM2's heads, bf16, 2 threads
+    python -m benchmarks.attention --dtype float32 --threads 1
+
+Prints milliseconds per layer for:
+- prefill chunks of fresh tokens, native kernel vs one SDPA call per sequence;
+- 64 decodes with a 512-token prefix shared by all, native kernel alone vs the split (one SDPA
+  call over the prefix + the kernel over each sequence's own keys + the merge);
+- 64 decodes over distinct blocks (memory-bound: the K/V read rate is printed too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import native
+from engine.attention.cpu_backend import _sdpa_with_lse
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def timed(fn: Callable[[], object], repeat: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - start) / repeat * 1e3
+
+
+def _cache(num_blocks: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    return torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+
+
+def _prefill_case(qlen: int, seqs: int, dtype: torch.dtype, repeat: int) -> tuple[float, float]:
+    total = qlen * seqs
+    blocks_per_seq = -(-qlen // BLOCK)
+    k_cache, v_cache = _cache(seqs * blocks_per_seq, dtype)
+    tables = torch.arange(seqs * blocks_per_seq).view(seqs, blocks_per_seq)
+    q = torch.randn(total, HEADS, HEAD_DIM).to(dtype)
+    k = torch.randn(total, KV_HEADS, HEAD_DIM).to(dtype)
+    v = torch.randn(total, KV_HEADS, HEAD_DIM).to(dtype)
+    lens = torch.full((seqs,), qlen, dtype=torch.int64)
+    starts = torch.arange(seqs, dtype=torch.int64) * qlen
+    out = torch.empty_like(q)
+    scale = HEAD_DIM**-0.5
+
+    def per_seq_sdpa() -> None:
+        for s in range(seqs):
+            rows = slice(s * qlen, (s + 1) * qlen)
+            o = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1)[None],
+                k[rows].transpose(0, 1)[None],
+                v[rows].transpose(0, 1)[None],
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[rows] = o[0].transpose(0, 1)
+
+    def kernel() -> None:
+        native.paged_attention(q, k_cache, v_cache, tables, lens, starts, lens, out, scale)
+
+    return timed(kernel, repeat), timed(per_seq_sdpa, repeat)
+
+
+def prefill(dtype: torch.dtype, repeat: int) -> None:
+    print("prefill chunks of fresh tokens (ms per layer):")
+    for qlen, seqs in ((32, 60), (96, 21), (512, 4), (2048, 1)):
+        ours, sdpa = _prefill_case(qlen, seqs, dtype, repeat)
+        pairs = qlen * (qlen + 1) // 2
+        print(
+            f"  {seqs:3d} x {qlen:4d} tokens ({pairs:7d} pairs each): "
+            f"native {ours:7.2f}  SDPA {sdpa:7.2f}"
+        )
+
+
+def decode(dtype: torch.dtype, repeat: int) -> None:
+    seqs, prefix, own = 64, 512, 64
+    scale = HEAD_DIM**-0.5
+    per_seq = (prefix + own) // BLOCK
+    k_cache, v_cache = _cache(prefix // BLOCK + seqs * own // BLOCK + 8, dtype)
+    shared = torch.arange(prefix // BLOCK)
+    tables = torch.empty(seqs, per_seq, dtype=torch.int64)
+    for s in range(seqs):
+        start = prefix // BLOCK + s * (own // BLOCK)
+        tables[s] = torch.cat([shared, torch.arange(start, start + own // BLOCK)])
+    lens = torch.full((seqs,), prefix + own, dtype=torch.int64)
+    starts = torch.arange(seqs, dtype=torch.int64)
+    ones = torch.ones(seqs, dtype=torch.int64)
+    q = torch.randn(seqs, HEADS, HEAD_DIM).to(dtype)
+    out, part = torch.empty_like(q), torch.empty_like(q)
+    part_lse = torch.empty(seqs, HEADS)
+    group = HEADS // KV_HEADS
+
+    def split() -> None:
+        native.paged_attention(
+            q, k_cache, v_cache, tables, lens, starts, ones, part, scale, prefix, part_lse
+        )
+        # The prefix's blocks are consecutive here, as when one request allocated them.
+        kp = k_cache[: prefix // BLOCK].view(1, -1, KV_HEADS, HEAD_DIM).transpose(1, 2)
+        vp = v_cache[: prefix // BLOCK].view(1, -1, KV_HEADS, HEAD_DIM).transpose(1, 2)
+        qq = q.view(seqs, KV_HEADS, group, HEAD_DIM).permute(1, 0, 2, 3)
+        qq = qq.reshape(1, KV_HEADS, seqs * group, HEAD_DIM)
+        o, lse = _sdpa_with_lse(qq, kp, vp, 0.0, False, scale=scale)
+        native.merge_attention(
+            o.reshape(KV_HEADS, seqs * group, HEAD_DIM).contiguous(),
+            lse.reshape(KV_HEADS, seqs * group).contiguous(),
+            part,
+            part_lse,
+            out,
+        )
+
+    kernel = timed(
+        lambda: native.paged_attention(q, k_cache, v_cache, tables, lens, starts, ones, out, scale),
+        repeat,
+    )
+    print(
+        f"64 decodes, {prefix} shared + {own} own tokens (ms per layer): native "
+        f"{kernel:.2f}  split {timed(split, repeat):.2f}"
+    )
+
+    distinct = torch.randperm(seqs * per_seq * 4)[: seqs * per_seq].view(seqs, per_seq)
+    k_cache, v_cache = _cache(seqs * per_seq * 4, dtype)
+    ms = timed(
+        lambda: native.paged_attention(
+            q, k_cache, v_cache, distinct, lens, starts, ones, out, scale
+        ),
+        repeat,
+    )
+    read = 2 * seqs * (prefix + own) * KV_HEADS * HEAD_DIM * q.element_size()
+    print(
+        f"64 decodes, {prefix + own} distinct tokens each: native {ms:.2f} ms per layer, "
+        f"K/V read at {read / ms / 1e6:.1f} GB/s"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=10)
+    args = parser.parse_args()
+    if not native.available():
+        raise SystemExit("the native kernel could not be built (no C compiler?)")
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    print(f"{args.dtype}, {args.threads} threads, {HEADS}/{KV_HEADS} heads of {HEAD_DIM}")
+    prefill(dtype, args.repeat)
+    decode(dtype, args.repeat)
+
+
+if __name__ == "__main__":
+    main()
