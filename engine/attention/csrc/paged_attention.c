@@ -23,12 +23,18 @@
  * tile, and no buffer grows with the context. Keys are scored 16 at a time and their dot products
  * reduced with one transposing horizontal sum, not one reduction per key and row.
  */
+#define _GNU_SOURCE /* syscall() */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
 #endif
 
 #include "bf16.h"
@@ -199,6 +205,71 @@ static void pv_accumulate(const float *probs, const void *v_cache, const int64_t
         }
     }
 }
+
+#if defined(HAVE_AMX)
+/* AMX for decode scores. A tile multiply computes C[16 x N] += A[16 x 32] . B[32 x N] in bf16
+ * with float32 sums, B laid out in pairs of its rows ("VNNI"). With A = 16 cached keys (read in
+ * place: a key row is contiguous, rows are a cache slot apart) and B = the group's query rows
+ * transposed into pairs of dims (built once per item), one multiply per 32 dims scores 16 keys
+ * against the whole group, where the vector loop needs a horizontal sum per key and row. The
+ * kernel asks Linux once for the tile state (arch_prctl); without it, or on a CPU without AMX,
+ * the vector loop runs. (The value side stays on vector FMAs: AMX there needs the values paired
+ * up by key, a permute per pair of rows, and measured slower.) */
+static int amx_state = 0; /* 0 unknown, 1 usable, -1 not; settled before any parallel region */
+
+static void amx_probe(void) {
+    if (amx_state == 0) {
+        /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): idempotent, per process. */
+        amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    }
+}
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* scores[g * ctx + t] = scale * q_g . k_t, as qk_scores, for bf16, head_dim % 32 == 0 and
+ * block_size % 16 == 0. qb: the group's query rows [G, D] (bf16). */
+static void qk_scores_amx(const uint16_t *qb, const uint16_t *k_cache, const int64_t *table,
+                          int64_t ctx, int G, int D, int block_size, int64_t row,
+                          int64_t head_off, float scale, float *scores) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette_id = 1;
+    cfg.rows[0] = 16; cfg.colsb[0] = 64;                 /* keys: 16 x 32 dims */
+    cfg.rows[1] = 16; cfg.colsb[1] = (uint16_t)(G * 4);  /* queries: 16 dim pairs x G */
+    cfg.rows[2] = 16; cfg.colsb[2] = (uint16_t)(G * 4);  /* scores: 16 keys x G */
+    _tile_loadconfig(&cfg);
+    /* qv[c][p][g][2] = q_g[32c + 2p + {0, 1}] */
+    uint16_t qv[(MAX_HEAD_DIM / 32) * 16 * MAX_ROWS * 2];
+    for (int c = 0; c < D / 32; c++)
+        for (int p = 0; p < 16; p++)
+            for (int g = 0; g < G; g++) {
+                uint16_t *dst = qv + ((size_t)(c * 16 + p) * G + g) * 2;
+                dst[0] = qb[(size_t)g * D + 32 * c + 2 * p];
+                dst[1] = qb[(size_t)g * D + 32 * c + 2 * p + 1];
+            }
+    float st[16 * MAX_ROWS];
+    for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+        const int64_t slot = table[t0 / block_size] * block_size + t0 % block_size;
+        const uint16_t *kb = k_cache + slot * row + head_off;
+        _tile_zero(2);
+        for (int c = 0; c < D / 32; c++) {
+            _tile_loadd(0, kb + 32 * c, row * 2);
+            _tile_loadd(1, qv + (size_t)c * 16 * G * 2, G * 4);
+            _tile_dpbf16ps(2, 0, 1);
+        }
+        _tile_stored(2, st, G * 4);
+        const int n = ctx - t0 < 16 ? (int)(ctx - t0) : 16;
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < n; j++) scores[(size_t)g * ctx + t0 + j] = st[j * G + g] * scale;
+    }
+    _tile_release();
+}
+
+#endif
 
 /* sc[r][j] = scale * q_r . k_j for the n keys of a chunk starting at element kbase. */
 static void score_chunk(const attn_args *a, const float *qf, const uint16_t *qb, int R,
@@ -425,7 +496,17 @@ static int attend_decode(const attn_args *a, int s, int kvh) {
         load_row(a->q, off, dtype, D, qf + (size_t)g * D);
         for (int d = 0; d < D; d++) qf[(size_t)g * D + d] *= a->scale;
     }
-    qk_scores(qf, a->k_cache, table, ctx, G, D, bs, a->row, head_off, dtype, scores, tmp);
+#if defined(HAVE_AMX)
+    if (dtype == 1 && D % 32 == 0 && bs % 16 == 0 && amx_state == 1) {
+        uint16_t qb[MAX_ROWS * MAX_HEAD_DIM];
+        for (int g = 0; g < G; g++)
+            memcpy(qb + (size_t)g * D, (const uint16_t *)a->q + tok * a->q_stride + (int64_t)(kvh * G + g) * D,
+                   2 * (size_t)D);
+        qk_scores_amx(qb, (const uint16_t *)a->k_cache, table, ctx, G, D, bs, a->row, head_off,
+                      a->scale, scores);
+    } else
+#endif
+        qk_scores(qf, a->k_cache, table, ctx, G, D, bs, a->row, head_off, dtype, scores, tmp);
     float lse[MAX_ROWS];
     for (int g = 0; g < G; g++) {
         float *sg = scores + (size_t)g * ctx;
@@ -473,6 +554,9 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache,
                          num_heads, group, head_dim, block_size, dtype, bt_stride, q_stride,
                          out_stride, (int64_t)num_kv_heads * head_dim, kv_start, scale};
     const int tile = MAX_ROWS / group; /* query tokens per item */
+#if defined(HAVE_AMX)
+    amx_probe();
+#endif
 
     /* Items: every sequence's query tiles, split by KV head when there are too few to keep the
      * threads busy (a batch of one) and always for decodes (one tile of one token). */
