@@ -37,7 +37,8 @@ class EngineConfig:
     watermark: float = 0.01
     attention_backend: AttentionBackendName = "auto"
     num_threads: int | None = None
-    # Pack linear weights once for oneDNN when running bf16 on CPU (falls back to F.linear).
+    # Pack linear weights once for oneDNN on CPU (bf16 always; fp32 for decode-sized batches,
+    # at the cost of a second copy of the weights); falls back to F.linear.
     prepack_weights: bool = True
     seed: int = 0
     # Salt of the chained block hashes; defaults to the resolved model name, so that two models'

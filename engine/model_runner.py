@@ -85,9 +85,10 @@ class ModelRunner:
             if end >= r.num_tokens:
                 sample_rows.append(i)
                 sample_requests.append(r)
-        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int64)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int64)
+        # One tensor from padded lists: a tensor per row costs ~10 us each at 64 rows.
+        tables = torch.tensor(
+            [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in seqs], dtype=torch.int64
+        )
 
         num_tokens = qsl[-1]
         qlens = torch.tensor([s.num_new_tokens for s in seqs], dtype=torch.int64)

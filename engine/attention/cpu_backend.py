@@ -89,6 +89,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
             )
 
     @staticmethod
+    def write_kv(
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        if not native.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping):
+            TorchAttentionBackend.write_kv(k, v, k_cache, v_cache, meta)
+
+    @staticmethod
     def _shared_prefix_tokens(meta: AttentionMetadata, qlens: list[int]) -> int:
         """Tokens of the longest run of leading blocks that every sequence of the step shares and
         that precedes all of its queries, if the split pays for itself; else 0."""

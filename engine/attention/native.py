@@ -133,6 +133,8 @@ def load() -> ctypes.CDLL | None:
         ctypes.c_void_p,  # out (int64)
         ctypes.c_int,  # num_threads
     ]
+    lib.write_kv_cache.restype = None
+    lib.write_kv_cache.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]
     lib.merge_attention.restype = None
     lib.merge_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i64, i64, i32, i32]
     lib.add_rms_norm_bf16.restype = None
@@ -296,3 +298,46 @@ def merge_attention(
         dtype,
         torch.get_num_threads(),
     )
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """Copy the rows of ``k``/``v [T, Hkv, D]`` into cache slots ``slot_mapping [T]`` (one call,
+    no dispatch per layer of ``index_copy_``). Returns False, doing nothing, for layouts it does
+    not handle (rows with gaps between heads, another dtype, no library): the caller falls
+    back."""
+    lib = load()
+    if lib is None or k.dtype not in DTYPE_CODES or k.dtype != k_cache.dtype:
+        return False
+    if v.dtype != k.dtype or v_cache.dtype != k.dtype or slot_mapping.dtype != torch.int64:
+        return False
+    row = k_cache.shape[2] * k_cache.shape[3]
+    for t in (k, v):
+        if (
+            t.dim() != 3
+            or t.stride(2) != 1
+            or t.stride(1) != t.shape[2]
+            or t.shape[1:] != k_cache.shape[2:]
+        ):
+            return False
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.is_contiguous()):
+        return False
+    lib.write_kv_cache(
+        k.data_ptr(),
+        v.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        k.shape[0],
+        row,
+        k.stride(0),
+        v.stride(0),
+        k.element_size(),
+        torch.get_num_threads(),
+    )
+    return True

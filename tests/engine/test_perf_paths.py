@@ -130,6 +130,27 @@ def test_native_attention_on_a_subset_writes_only_its_rows():
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kv_write_matches_index_copy(dtype):
+    """K/V rows taken as views of a fused qkv output (row stride > one row) land in their slots,
+    and nothing else in the cache changes."""
+    gen = torch.Generator().manual_seed(4)
+    kv_heads, head_dim, tokens = 2, 16, 5
+    qkv = torch.randn(tokens, (4 + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    k = qkv[:, 4 * head_dim : (4 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (4 + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([7, 0, 12, 3, 8])
+    caches = [torch.randn(4, 4, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    for cache, rows in zip(expected, (k, v), strict=True):
+        cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, rows)
+    assert native.write_kv_cache(k, v, caches[0], caches[1], slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    # A layout it does not take (heads not adjacent) is left to the caller.
+    assert not native.write_kv_cache(k.transpose(0, 1), v, caches[0], caches[1], slots)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shared_prefix_split_matches_reference(dtype, monkeypatch):
     """Every sequence behind the same 4 cached blocks: the backend attends the prefix once (SDPA)
     and merges it with the kernel's pass over each sequence's own keys."""

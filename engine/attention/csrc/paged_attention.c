@@ -637,3 +637,17 @@ void merge_attention(const void *a, const float *lse_a, const void *b, const flo
         }
     }
 }
+
+/* Cache slot slots[t] of k_cache and v_cache (row_elems elements each) <- row t of k and v (row
+ * strides k_stride / v_stride, in elements of elem_size bytes), for every t < num_tokens. */
+void write_kv_cache(const void *k, const void *v, void *k_cache, void *v_cache,
+                    const int64_t *slots, int64_t num_tokens, int64_t row_elems, int64_t k_stride,
+                    int64_t v_stride, int elem_size, int num_threads) {
+    const size_t bytes = (size_t)row_elems * (size_t)elem_size;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if(num_tokens * row_elems >= (1 << 16))
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t dst = slots[t] * row_elems * elem_size;
+        memcpy((char *)k_cache + dst, (const char *)k + t * k_stride * elem_size, bytes);
+        memcpy((char *)v_cache + dst, (const char *)v + t * v_stride * elem_size, bytes);
+    }
+}
