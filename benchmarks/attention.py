@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import native
-from engine.attention.cpu_backend import _sdpa_with_lse
+from engine.attention.base import AttentionMetadata
+from engine.attention.cpu_backend import CpuAttentionBackend
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -96,27 +97,31 @@ def decode(dtype: torch.dtype, repeat: int) -> None:
     starts = torch.arange(seqs, dtype=torch.int64)
     ones = torch.ones(seqs, dtype=torch.int64)
     q = torch.randn(seqs, HEADS, HEAD_DIM).to(dtype)
-    out, part = torch.empty_like(q), torch.empty_like(q)
-    part_lse = torch.empty(seqs, HEADS)
-    group = HEADS // KV_HEADS
+    out = torch.empty_like(q)
+    # The backend's own path: prepare() finds the shared blocks (consecutive here, as when one
+    # request allocated them) and forward() splits; the K/V of this step are already cached.
+    qsl = list(range(seqs + 1))
+    meta = AttentionMetadata(
+        num_tokens=seqs,
+        num_decodes=seqs,
+        block_size=BLOCK,
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl),
+        seq_lens=lens,
+        block_tables=tables,
+        max_query_len=1,
+        max_seq_len=prefix + own,
+        query_start_loc_list=qsl,
+        seq_lens_list=lens.tolist(),
+    )
+    backend = CpuAttentionBackend()
+    backend.prepare(meta)
+    assert meta.extra["shared_prefix_tokens"] == prefix
+    backend.write_kv = lambda *args: None  # type: ignore[method-assign]
+    no_kv = torch.empty(0, KV_HEADS, HEAD_DIM, dtype=dtype)
 
     def split() -> None:
-        native.paged_attention(
-            q, k_cache, v_cache, tables, lens, starts, ones, part, scale, prefix, part_lse
-        )
-        # The prefix's blocks are consecutive here, as when one request allocated them.
-        kp = k_cache[: prefix // BLOCK].view(1, -1, KV_HEADS, HEAD_DIM).transpose(1, 2)
-        vp = v_cache[: prefix // BLOCK].view(1, -1, KV_HEADS, HEAD_DIM).transpose(1, 2)
-        qq = q.view(seqs, KV_HEADS, group, HEAD_DIM).permute(1, 0, 2, 3)
-        qq = qq.reshape(1, KV_HEADS, seqs * group, HEAD_DIM)
-        o, lse = _sdpa_with_lse(qq, kp, vp, 0.0, False, scale=scale)
-        native.merge_attention(
-            o.reshape(KV_HEADS, seqs * group, HEAD_DIM).contiguous(),
-            lse.reshape(KV_HEADS, seqs * group).contiguous(),
-            part,
-            part_lse,
-            out,
-        )
+        backend.forward(q, no_kv, no_kv, k_cache, v_cache, meta, scale)
 
     kernel = timed(
         lambda: native.paged_attention(q, k_cache, v_cache, tables, lens, starts, ones, out, scale),

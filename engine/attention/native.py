@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_attention.c", CSRC / "fused_ops.c", CSRC / "argmax.c")
-HEADERS = (CSRC / "bf16.h",)
+HEADERS = (CSRC / "bf16.h", CSRC / "vec_exp.h")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"

@@ -359,3 +359,23 @@ def test_fused_forward_generates_like_reference_forward(tiny_llama):
         model.use_fused = use_fused
         outs[use_fused] = [o.token_ids for o in llm.generate(prompts, params)]
     assert [o[:6] for o in outs[True]] == [o[:6] for o in outs[False]]
+
+
+@needs_compiler
+def test_portable_kernels_match_reference(monkeypatch, tmp_path):
+    """On a CPU without AVX-512 the library is built without it and runs its plain C loops; they
+    must agree with the references too (built here with ``-march=x86-64-v2``)."""
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path))
+    flags = ["-march=x86-64-v2" if f == "-march=native" else f for f in native.CFLAGS]
+    monkeypatch.setattr(native, "CFLAGS", flags)
+    native.load.cache_clear()
+    try:
+        assert native.available()
+        assert list(tmp_path.rglob("*.so"))  # built afresh with the portable flags
+        for dtype in (torch.float32, torch.bfloat16):
+            for kv_start_blocks in (0, 1):
+                test_native_attention_matches_reference(dtype, 9, 3, 64, 16, kv_start_blocks)
+            test_native_kv_write_matches_index_copy(dtype)
+        test_fused_elementwise_ops_match_reference_ops(70)
+    finally:
+        native.load.cache_clear()

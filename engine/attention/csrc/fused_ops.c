@@ -15,6 +15,7 @@
 #endif
 
 #include "bf16.h"
+#include "vec_exp.h"
 
 #define PARALLEL_MIN (1 << 15)
 
@@ -37,23 +38,6 @@ static inline __m512 rnd_bf(__m512 v) {
 }
 static inline __mmask16 tail(int64_t left) {
     return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-}
-/* e^x, |x| <= 88: Cody-Waite reduction and a degree-7 polynomial, ~1e-7 relative error. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 #endif
 
@@ -156,7 +140,8 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
 #pragma omp simd
         for (int64_t d = 0; d < inter; d++) {
             const float x = bf16_to_f32(g[d]);
-            const float s = round_bf(x / (1.0f + expf(-x)));
+            /* Clamped: with -ffast-math an infinite e^-x can turn x / (1 + e) into NaN. */
+            const float s = round_bf(x / (1.0f + expf(fminf(-x, 88.0f))));
             o[d] = f32_to_bf16(s * bf16_to_f32(u[d]));
         }
     }
