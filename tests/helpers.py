@@ -61,15 +61,21 @@ def make_tiny_llama(
     return path
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_greedy(
+    model_dir: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> list[list[int]]:
     """Reference greedy continuations from transformers, one prompt at a time (no padding)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=device)
             gen = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),

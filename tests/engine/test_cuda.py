@@ -13,30 +13,11 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.helpers import hf_greedy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 MAX_NEW = 16
-
-
-def hf_greedy_on(model_dir, prompts, dtype, device) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p], device=device)
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_NEW,
-                min_new_tokens=MAX_NEW,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outs.append(gen[0, len(p) :].tolist())
-    return outs
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -55,7 +36,7 @@ def test_cuda_greedy_matches_transformers(tiny_llama, dtype):
     assert llm.engine.runner.device.type == "cuda"
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, min_tokens=MAX_NEW)
     got = [o.token_ids for o in llm.generate(prompts, params)]
-    expected = hf_greedy_on(str(tiny_llama), prompts, getattr(torch, dtype), "cuda")
+    expected = hf_greedy(tiny_llama, prompts, MAX_NEW, getattr(torch, dtype), "cuda")
     if dtype == "float32":
         assert got == expected
     else:
