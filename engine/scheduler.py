@@ -196,7 +196,8 @@ class Scheduler:
         if out.preempted:
             return out
 
-        inflight = self._inflight_block_hashes()
+        # Only needed to admit someone; a steady decode step has nobody waiting.
+        inflight = self._inflight_block_hashes() if self.waiting else None
         deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()

@@ -484,10 +484,8 @@ static int attend_decode(const attn_args *a, int s, int kvh) {
     }
 #if defined(HAVE_AMX)
     if (dtype == 1 && D % 32 == 0 && bs % 16 == 0 && amx_state == 1) {
-        uint16_t qb[MAX_ROWS * MAX_HEAD_DIM];
-        for (int g = 0; g < G; g++)
-            memcpy(qb + (size_t)g * D, (const uint16_t *)a->q + tok * a->q_stride + (int64_t)(kvh * G + g) * D,
-                   2 * (size_t)D);
+        /* The group's heads are adjacent in the query row: read them in place. */
+        const uint16_t *qb = (const uint16_t *)a->q + tok * a->q_stride + (int64_t)kvh * G * D;
         qk_scores_amx(qb, (const uint16_t *)a->k_cache, table, ctx, G, D, bs, a->row, head_off,
                       a->scale, scores);
     } else
