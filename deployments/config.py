@@ -116,6 +116,9 @@ class AppArgs(_Strict):
     api_key: str | None = None
     # Tokens produced within this window after the first are sent as one stream item.
     stream_interval_ms: float = Field(20.0, ge=0)
+    # Most stream items per second an engine replica sends, over all its streams together; under
+    # load each stream's window widens to (streams / this) seconds. None: no cap.
+    stream_items_per_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> AppArgs:

@@ -80,7 +80,7 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.started_at = time.time()
         self.engine = LLMEngine(self.args.engine_config(num_threads=_assigned_cpus()))
-        self.async_engine = AsyncEngine(self.engine)
+        self.async_engine = AsyncEngine(self.engine, items_per_s=self.args.stream_items_per_s)
         self.async_engine.on_death = self._on_engine_death
         self.async_engine.start()
         self.metrics = ReplicaMetrics(self.replica_id)

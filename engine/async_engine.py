@@ -9,6 +9,12 @@ path.
 Results reach the event loop once per engine step (one ``call_soon_threadsafe`` carrying every
 delta of the step), not once per token.
 
+Stream items: every batch a stream yields crosses process boundaries downstream (engine replica to
+ingress to HTTP proxy), and each crossing costs CPU that the engine shares. ``items_per_s``, when
+set, caps the items all streams together yield per second: each stream's coalescing window widens
+to ``num_streams / items_per_s`` when that exceeds the caller's own window. A lone stream still
+gets every token at once; 32 streams under a cap of 100/s get about three items a second each.
+
 Failure: if ``step()`` (or any command) raises, the loop stops for good. ``error`` is set and every
 registered stream and every pending ``call`` future receive ``EngineDeadError`` in the same
 critical section (under ``_lock``), and nothing registers after it, so no caller waits forever on
@@ -46,9 +52,14 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+    def __init__(
+        self, engine: LLMEngine, idle_wait_s: float = 0.05, items_per_s: float | None = None
+    ) -> None:
+        if items_per_s is not None and items_per_s <= 0:
+            raise ValueError(f"items_per_s must be positive, got {items_per_s}")
         self.engine = engine
         self.idle_wait_s = idle_wait_s
+        self.items_per_s = items_per_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -105,9 +116,10 @@ class AsyncEngine:
         anything is queued; leaving the iteration early (client gone, cancellation) aborts the
         request and frees its blocks.
 
-        The first token goes out alone and at once; after it, deltas that arrive within
-        ``coalesce_s`` of the previous batch are merged into one, since every item that crosses a
-        process boundary costs CPU. The final delta ends a batch at once.
+        The first token goes out alone and at once; after it, deltas that arrive within the
+        coalescing window of the previous batch are merged into one, since every item that crosses
+        a process boundary costs CPU. The window is ``coalesce_s``, or ``window_s()`` when the
+        item budget makes that longer. The final delta ends a batch at once.
         """
         self.check_health()
         request = self.engine.make_request(request_id, prompt, params, priority=priority)
@@ -133,9 +145,10 @@ class AsyncEngine:
         try:
             while True:
                 batch = [await stream.queue.get()]
-                if last_yield is not None and coalesce_s > 0:
+                window = max(coalesce_s, self.window_s())
+                if last_yield is not None and window > 0:
                     # Gather until the window closes, but never hold back the final delta.
-                    deadline = last_yield + coalesce_s
+                    deadline = last_yield + window
                     while not _ends(batch) and (remaining := deadline - time.monotonic()) > 0:
                         try:
                             batch.append(await asyncio.wait_for(stream.queue.get(), remaining))
@@ -156,6 +169,12 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             if not stream.finished:
                 self.abort(request_id)
+
+    def window_s(self) -> float:
+        """The coalescing window the item budget imposes on every stream now (0 without one)."""
+        if self.items_per_s is None:
+            return 0.0
+        return len(self._streams) / self.items_per_s
 
     def abort(self, request_id: str) -> None:
         self._commands.put(lambda: self.engine.abort_request(request_id))

@@ -212,3 +212,36 @@ def test_shutdown_ends_live_streams(async_engine: AsyncEngine) -> None:
     with pytest.raises(EngineDeadError):
         async_engine.check_health()
     assert deaths == []  # a shutdown is not a death
+
+
+def test_item_budget_widens_the_window_with_the_number_of_streams(engine: LLMEngine) -> None:
+    with pytest.raises(ValueError, match="items_per_s"):
+        AsyncEngine(engine, items_per_s=0)
+    ae = AsyncEngine(engine, idle_wait_s=0.01, items_per_s=2.0)
+    ae.start()
+    try:
+
+        async def run() -> list[list[list[int]]]:
+            params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+            async def items(request_id: str) -> list[list[int]]:
+                return [
+                    [t for d in batch for t in d.new_token_ids]
+                    async for batch in ae.generate(request_id, [5, 6, 7, 8], params)
+                ]
+
+            streams = [items(f"r{i}") for i in range(4)]
+            return await asyncio.gather(*streams)
+
+        outs = asyncio.run(asyncio.wait_for(run(), DEADLINE_S))
+    finally:
+        ae.shutdown(timeout=5.0)
+    for out in outs:
+        assert sum(len(item) for item in out) == 40
+        # The first token goes out alone; four streams under 2 items/s share a 2 s window, which
+        # a tiny model's 39 further tokens fit inside: the final item carries the rest.
+        assert len(out[0]) == 1
+        assert len(out) <= 3, [len(i) for i in out]
+    assert ae.num_streams == 0
+    assert ae.window_s() == 0.0
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
