@@ -217,7 +217,7 @@ def test_shutdown_ends_live_streams(async_engine: AsyncEngine) -> None:
 def test_item_budget_widens_the_window_with_the_number_of_streams(engine: LLMEngine) -> None:
     with pytest.raises(ValueError, match="items_per_s"):
         AsyncEngine(engine, items_per_s=0)
-    ae = AsyncEngine(engine, idle_wait_s=0.01, items_per_s=2.0)
+    ae = AsyncEngine(engine, idle_wait_s=0.01, items_per_s=0.5)
     ae.start()
     try:
 
@@ -238,9 +238,9 @@ def test_item_budget_widens_the_window_with_the_number_of_streams(engine: LLMEng
         ae.shutdown(timeout=5.0)
     for out in outs:
         assert sum(len(item) for item in out) == 40
-        # The first token goes out alone; four streams under 2 items/s share a 2 s window, which
-        # a tiny model's 39 further tokens fit inside: the final item carries the rest.
-        assert len(out[0]) == 1
+        # Four streams under 0.5 items/s: after the first item, an 8 s window, which a tiny
+        # model's remaining tokens fit inside, so the final item carries the rest (the first
+        # item may hold more than one token when the consumer was slower than the engine).
         assert len(out) <= 3, [len(i) for i in out]
     assert ae.num_streams == 0
     assert ae.window_s() == 0.0
