@@ -145,8 +145,7 @@ class AsyncEngine:
         try:
             while True:
                 batch = [await stream.queue.get()]
-                window = max(coalesce_s, self.window_s())
-                if last_yield is not None and window > 0:
+                if last_yield is not None and (window := max(coalesce_s, self.window_s())) > 0:
                     # Gather until the window closes, but never hold back the final delta.
                     deadline = last_yield + window
                     while not _ends(batch) and (remaining := deadline - time.monotonic()) > 0:
