@@ -71,10 +71,20 @@ def cpu_has_bf16() -> bool:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bfloat16 on CUDA and on CPUs with native bf16 arithmetic (AVX512-BF16 or
+    AMX), float32 elsewhere: without them every bf16 matmul is emulated, which measured about 7x
+    slower than float32 on an AVX2-only CPU (docs/performance.md)."""
     if name == "auto":
         if device.type == "cuda" or cpu_has_bf16():
             return torch.bfloat16
         return torch.float32
+    if device.type == "cpu" and name in ("bfloat16", "float16") and not cpu_has_bf16():
+        logger.warning(
+            "dtype %s on a CPU without native bf16 arithmetic (no avx512_bf16 or amx_bf16): "
+            "matmuls are emulated and several times slower than float32; dtype 'auto' picks "
+            "float32 here",
+            name,
+        )
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 

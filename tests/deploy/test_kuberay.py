@@ -46,6 +46,8 @@ ARGS_DIFFERENCES: dict[str, set[str]] = {
     "cpu": set(),
     "gpu": {
         "engine.device",
+        # bfloat16 pinned on the GPU; the laptop config's "auto" depends on the CPU.
+        "engine.dtype",
         "engine.max_num_seqs",
         "engine.max_num_batched_tokens",
         "engine.kv_cache_memory_gb",
