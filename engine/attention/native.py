@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_attention.c", CSRC / "fused_ops.c", CSRC / "argmax.c")
-HEADERS = (CSRC / "bf16.h", CSRC / "vec_exp.h")
+HEADERS = (CSRC / "bf16.h", CSRC / "vec16.h")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
@@ -137,24 +137,16 @@ def load() -> ctypes.CDLL | None:
     lib.write_kv_cache.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]
     lib.merge_attention.restype = None
     lib.merge_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i64, i64, i32, i32]
-    lib.add_rms_norm_bf16.restype = None
-    lib.add_rms_norm_bf16.argtypes = [
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        ctypes.c_float,
-        i32,
-    ]
-    lib.rope_bf16.restype = None
-    lib.rope_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32]
-    lib.silu_mul_bf16.restype = None
-    lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64, i64, i64, i32]
+    for suffix in ("bf16", "f32"):
+        norm = getattr(lib, f"add_rms_norm_{suffix}")
+        norm.restype = None
+        norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i32]
+        rope = getattr(lib, f"rope_{suffix}")
+        rope.restype = None
+        rope.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+        silu = getattr(lib, f"silu_mul_{suffix}")
+        silu.restype = None
+        silu.argtypes = [ptr, ptr, i64, i64, i64, i64, i32]
     return lib
 
 

@@ -1,22 +1,34 @@
-"""The elementwise parts of a Llama layer, fused into native kernels for bfloat16 on CPU.
+"""The elementwise parts of a Llama layer, fused into native kernels on CPU (bfloat16, float32).
 
 At decode batch sizes a layer's RMSNorms, residual adds, RoPE and SiLU-gating are ~40 small
 PyTorch ops per layer, each a dispatch plus a pass over memory; the native versions
-(``engine/attention/csrc/fused_ops.c``) do each group in one pass. They round to bfloat16
+(``engine/attention/csrc/fused_ops.c``) do each group in one pass. In bfloat16 they round
 wherever the eager ops do, so outputs agree with the reference functions in ``llama.py`` up to
-float32 summation order. :func:`enabled` says whether to use them: bf16 CPU tensors with the
-native library built; float32 always takes the reference path (token identity with transformers).
+float32 summation order; in float32 they do the eager ops' arithmetic and differ only in
+summation order (RMSNorm) and the last bit of e^x (SiLU), less than the matmuls' own variation
+between kernels. :func:`enabled` says whether to use them: CPU tensors of either
+dtype with the native library built.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from engine.attention import native
 
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
 
 def enabled(x: torch.Tensor) -> bool:
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and native.available()
+    return x.dtype in _SUFFIX and x.device.type == "cpu" and native.available()
+
+
+def _kernel(name: str, x: torch.Tensor) -> Any:
+    lib = native.load()
+    assert lib is not None
+    return getattr(lib, f"{name}_{_SUFFIX[x.dtype]}")
 
 
 def _rows(t: torch.Tensor) -> int:
@@ -29,10 +41,8 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """``x += residual`` in place (when given), then return ``rms_norm(x)``."""
-    lib = native.load()
-    assert lib is not None
     out = torch.empty_like(x)
-    lib.add_rms_norm_bf16(
+    _kernel("add_rms_norm", x)(
         x.data_ptr(),
         residual.data_ptr() if residual is not None else None,
         weight.data_ptr(),
@@ -58,13 +68,11 @@ def rope_(
 ) -> None:
     """RoPE in place on the first ``heads`` heads of each row of ``x [T, >= heads * head_dim]``;
     ``cos``/``sin`` are the float32 tables ``[max_pos, head_dim // 2]``."""
-    lib = native.load()
-    assert lib is not None
     if positions.dtype != torch.int64 or not positions.is_contiguous():
         raise ValueError("positions: must be a contiguous int64 tensor")
     if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError("cos/sin: must be contiguous float32 tables")
-    lib.rope_bf16(
+    _kernel("rope", x)(
         x.data_ptr(),
         positions.data_ptr(),
         cos.data_ptr(),
@@ -79,11 +87,9 @@ def rope_(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension."""
-    lib = native.load()
-    assert lib is not None
     inter = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype)
-    lib.silu_mul_bf16(
+    _kernel("silu_mul", gate_up)(
         gate_up.data_ptr(),
         out.data_ptr(),
         gate_up.shape[0],

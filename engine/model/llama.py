@@ -75,7 +75,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.scale = cfg.head_dim**-0.5
         self.lm_head_packed: torch.Tensor | None = None
-        # Fused native elementwise kernels for bf16 on CPU (engine.model.fused); a switch so
+        # Fused native elementwise kernels on CPU (engine.model.fused); a switch so
         # tests can compare against the reference ops.
         self.use_fused = True
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
@@ -123,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """``forward`` with the elementwise ops fused (bf16 on CPU): each residual add is folded
+        """``forward`` with the elementwise ops fused (on CPU): each residual add is folded
         into the next RMSNorm, RoPE rotates q and k in place inside the qkv output."""
         cfg = self.cfg
         eps, q_size, kv_size = cfg.rms_norm_eps, cfg.q_size, cfg.kv_size

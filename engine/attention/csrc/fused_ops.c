@@ -15,7 +15,7 @@
 #endif
 
 #include "bf16.h"
-#include "vec_exp.h"
+#include "vec16.h"
 
 #define PARALLEL_MIN (1 << 15)
 
@@ -143,6 +143,72 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
             /* Clamped: with -ffast-math an infinite e^-x can turn x / (1 + e) into NaN. */
             const float s = round_bf(x / (1.0f + expf(fminf(-x, 88.0f))));
             o[d] = f32_to_bf16(s * bf16_to_f32(u[d]));
+        }
+    }
+}
+
+/* float32 versions of the three ops above, for models served in float32 (CPUs without native
+ * bf16). Same arithmetic as the eager float32 ops, in one pass per row; results differ from
+ * them only by float32 summation order (RMSNorm) and e^x's last bit (SiLU). */
+void add_rms_norm_f32(float *x, const float *residual, const float *weight, float *out,
+                      int64_t rows, int64_t dim, int64_t x_stride, int64_t res_stride,
+                      int64_t out_stride, float eps, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if(rows * dim >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * x_stride;
+        if (residual != NULL) {
+            const float *rr = residual + r * res_stride;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; d++) xr[d] += rr[d];
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t d = 0; d < dim; d++) ss += xr[d] * xr[d];
+        const float scale = 1.0f / sqrtf(ss / (float)dim + eps);
+        float *o = out + r * out_stride;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) o[d] = weight[d] * (xr[d] * scale);
+    }
+}
+
+void rope_f32(float *x, const int64_t *positions, const float *cos_table, const float *sin_table,
+              int64_t rows, int64_t heads, int64_t head_dim, int64_t x_stride, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if(rows * heads * head_dim >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *ct = cos_table + positions[r] * half;
+        const float *st = sin_table + positions[r] * half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *x1 = x + r * x_stride + h * head_dim;
+            float *x2 = x1 + half;
+#pragma omp simd
+            for (int64_t d = 0; d < half; d++) {
+                const float a = x1[d], b = x2[d];
+                x1[d] = a * ct[d] - b * st[d];
+                x2[d] = b * ct[d] + a * st[d];
+            }
+        }
+    }
+}
+
+void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter,
+                  int64_t in_stride, int64_t out_stride, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if(rows * inter >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * in_stride;
+        const float *u = g + inter;
+        float *o = out + r * out_stride;
+        int64_t d = 0;
+#if defined(HAVE_VEC16)
+        for (; d + 16 <= inter; d += 16) {
+            const vf16 x = v16_loadu(g + d);
+            const vf16 den = v16_add(v16_set1(1.0f), exp16(v16_sub(v16_zero(), x)));
+            v16_storeu(o + d, v16_mul(v16_div(x, den), v16_loadu(u + d)));
+        }
+#endif
+        for (; d < inter; d++) {
+            const float x = g[d];
+            o[d] = x / (1.0f + expf(fminf(-x, 88.0f))) * u[d];
         }
     }
 }

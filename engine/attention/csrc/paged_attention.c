@@ -30,9 +30,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -40,7 +37,7 @@
 #endif
 
 #include "bf16.h"
-#include "vec_exp.h"
+#include "vec16.h"
 
 #define MAX_ROWS 16 /* query rows of one KV head per pass */
 #define MAX_HEAD_DIM 256
@@ -71,38 +68,11 @@ static inline void load_row(const void *base, int64_t offset, int dtype, int dim
     }
 }
 
-#if defined(__AVX512F__)
-static inline __m512 load16(const void *base, int64_t offset, int dtype) {
-    if (dtype == 1) {
-        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_loadu_ps((const float *)base + offset);
+#if defined(HAVE_VEC16)
+static inline vf16 load16(const void *base, int64_t offset, int dtype) {
+    if (dtype == 1) return v16_load_bf16((const uint16_t *)base + offset);
+    return v16_loadu((const float *)base + offset);
 }
-
-/* Lane j of the result is the sum of the 16 lanes of v[j]. */
-static inline __m512 hsum16(const __m512 *v) {
-    __m512 w[8], u[4], z[2];
-    for (int i = 0; i < 8; i++) {
-        const __m512 x = v[2 * i], y = v[2 * i + 1];
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
-    }
-    for (int i = 0; i < 4; i++) {
-        const __m512 x = w[2 * i], y = w[2 * i + 1];
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
-    }
-    for (int i = 0; i < 2; i++) {
-        const __m512 x = u[2 * i], y = u[2 * i + 1];
-        z[i] = _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
-    }
-    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    /* Lane 4k + e of s holds the sum of v[k + 4e]. */
-    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(idx, s);
-}
-
 #endif
 
 /* Decode rows (one query token, the group's rows of one KV head) score every key first, then
@@ -119,17 +89,17 @@ static void qk_scores(const float *qf, const void *k_cache, const int64_t *table
         const int64_t n = ctx - t < block_size ? ctx - t : block_size;
         for (int64_t j = 0; j < n; j++, t++) {
             const int64_t off = base + j * row;
-#if defined(__AVX512F__)
+#if defined(HAVE_VEC16)
             if (head_dim == 64) {
-                __m512 k0 = load16(k_cache, off, dtype), k1 = load16(k_cache, off + 16, dtype);
-                __m512 k2 = load16(k_cache, off + 32, dtype), k3 = load16(k_cache, off + 48, dtype);
+                const vf16 k0 = load16(k_cache, off, dtype), k1 = load16(k_cache, off + 16, dtype);
+                const vf16 k2 = load16(k_cache, off + 32, dtype), k3 = load16(k_cache, off + 48, dtype);
                 for (int g = 0; g < group; g++) {
                     const float *qg = qf + (size_t)g * 64;
-                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), k0);
-                    __m512 c = _mm512_mul_ps(_mm512_loadu_ps(qg + 16), k1);
-                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 32), k2, a);
-                    c = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 48), k3, c);
-                    scores[(size_t)g * ctx + t] = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
+                    vf16 a = v16_mul(v16_loadu(qg), k0);
+                    vf16 c = v16_mul(v16_loadu(qg + 16), k1);
+                    a = v16_fmadd(v16_loadu(qg + 32), k2, a);
+                    c = v16_fmadd(v16_loadu(qg + 48), k3, c);
+                    scores[(size_t)g * ctx + t] = v16_reduce_add(v16_add(a, c));
                 }
                 continue;
             }
@@ -149,30 +119,30 @@ static void qk_scores(const float *qf, const void *k_cache, const int64_t *table
 static void pv_accumulate(const float *probs, const void *v_cache, const int64_t *table,
                           int64_t ctx, int group, int head_dim, int block_size, int64_t row,
                           int64_t head_off, int dtype, float *acc, float *tmp) {
-#if defined(__AVX512F__)
+#if defined(HAVE_VEC16)
     if (head_dim == 64 && group <= 4) {
-        __m512 a[4][4];
+        vf16 a[4][4];
         for (int g = 0; g < 4; g++)
-            for (int c = 0; c < 4; c++) a[g][c] = _mm512_setzero_ps();
+            for (int c = 0; c < 4; c++) a[g][c] = v16_zero();
         int64_t t = 0;
         for (int64_t b = 0; t < ctx; b++) {
             const int64_t base = table[b] * block_size * row + head_off;
             const int64_t n = ctx - t < block_size ? ctx - t : block_size;
             for (int64_t j = 0; j < n; j++, t++) {
                 const int64_t off = base + j * row;
-                __m512 v0 = load16(v_cache, off, dtype), v1 = load16(v_cache, off + 16, dtype);
-                __m512 v2 = load16(v_cache, off + 32, dtype), v3 = load16(v_cache, off + 48, dtype);
+                const vf16 v0 = load16(v_cache, off, dtype), v1 = load16(v_cache, off + 16, dtype);
+                const vf16 v2 = load16(v_cache, off + 32, dtype), v3 = load16(v_cache, off + 48, dtype);
                 for (int g = 0; g < group; g++) {
-                    __m512 p = _mm512_set1_ps(probs[(size_t)g * ctx + t]);
-                    a[g][0] = _mm512_fmadd_ps(p, v0, a[g][0]);
-                    a[g][1] = _mm512_fmadd_ps(p, v1, a[g][1]);
-                    a[g][2] = _mm512_fmadd_ps(p, v2, a[g][2]);
-                    a[g][3] = _mm512_fmadd_ps(p, v3, a[g][3]);
+                    const vf16 p = v16_set1(probs[(size_t)g * ctx + t]);
+                    a[g][0] = v16_fmadd(p, v0, a[g][0]);
+                    a[g][1] = v16_fmadd(p, v1, a[g][1]);
+                    a[g][2] = v16_fmadd(p, v2, a[g][2]);
+                    a[g][3] = v16_fmadd(p, v3, a[g][3]);
                 }
             }
         }
         for (int g = 0; g < group; g++)
-            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + (size_t)g * 64 + 16 * c, a[g][c]);
+            for (int c = 0; c < 4; c++) v16_storeu(acc + (size_t)g * 64 + 16 * c, a[g][c]);
         return;
     }
 #endif
@@ -262,9 +232,9 @@ static void score_chunk(const attn_args *a, const float *qf, const uint16_t *qb,
                         int64_t kbase, int n, float sc[][CHUNK]) {
     const int D = a->head_dim, dtype = a->dtype;
     const int64_t row = a->row;
-#if defined(__AVX512F__)
+#if defined(HAVE_VEC16)
     if (D % 16 == 0) {
-        __m512 part[CHUNK];
+        vf16 part[CHUNK];
         for (int r = 0; r < R; r++) {
 #if defined(__AVX512BF16__)
             if (qb != NULL) {
@@ -279,20 +249,20 @@ static void score_chunk(const attn_args *a, const float *qf, const uint16_t *qb,
                     part[j] = s;
                 }
                 for (int j = n; j < CHUNK; j++) part[j] = _mm512_setzero_ps();
-                _mm512_storeu_ps(sc[r], _mm512_mul_ps(hsum16(part), _mm512_set1_ps(a->scale)));
+                v16_storeu(sc[r], v16_mul(v16_hsum16(part), v16_set1(a->scale)));
                 continue;
             }
 #endif
             const float *qr = qf + (size_t)r * D;
             for (int j = 0; j < n; j++) {
                 const int64_t off = kbase + j * row;
-                __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qr), load16(a->k_cache, off, dtype));
+                vf16 s = v16_mul(v16_loadu(qr), load16(a->k_cache, off, dtype));
                 for (int d = 16; d < D; d += 16)
-                    s = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), load16(a->k_cache, off + d, dtype), s);
+                    s = v16_fmadd(v16_loadu(qr + d), load16(a->k_cache, off + d, dtype), s);
                 part[j] = s;
             }
-            for (int j = n; j < CHUNK; j++) part[j] = _mm512_setzero_ps();
-            _mm512_storeu_ps(sc[r], _mm512_mul_ps(hsum16(part), _mm512_set1_ps(a->scale)));
+            for (int j = n; j < CHUNK; j++) part[j] = v16_zero();
+            v16_storeu(sc[r], v16_mul(v16_hsum16(part), v16_set1(a->scale)));
         }
         return;
     }
@@ -313,10 +283,9 @@ static void score_chunk(const attn_args *a, const float *qf, const uint16_t *qb,
  * accumulator when the maximum grows, and leave the chunk's probabilities in sc (0 if unseen).
  * No infinities: the library is built with -ffast-math. */
 static void softmax_chunk(float *sc, int nv, float *m, float *l, float *acc, int D) {
-#if defined(__AVX512F__)
-    const __mmask16 keep = (__mmask16)((1u << nv) - 1u);
-    const __m512 s = _mm512_loadu_ps(sc);
-    const float mx = _mm512_mask_reduce_max_ps(keep, s);
+#if defined(HAVE_VEC16)
+    const vf16 s = v16_loadu(sc);
+    const float mx = v16_max_first(s, nv);
 #else
     float mx = sc[0];
     for (int j = 1; j < nv; j++) mx = sc[j] > mx ? sc[j] : mx;
@@ -328,10 +297,10 @@ static void softmax_chunk(float *sc, int nv, float *m, float *l, float *acc, int
     }
     if (*l == 0.0f || mx > *m) *m = mx;
     const float mn = *m;
-#if defined(__AVX512F__)
-    const __m512 p = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
-    _mm512_storeu_ps(sc, p);
-    *l += _mm512_reduce_add_ps(p);
+#if defined(HAVE_VEC16)
+    const vf16 p = v16_keep_first(exp16(v16_sub(s, v16_set1(mn))), nv);
+    v16_storeu(sc, p);
+    *l += v16_reduce_add(p);
 #else
     float sum = 0.0f;
     for (int j = 0; j < CHUNK; j++) {
@@ -347,29 +316,29 @@ static void pv_chunk(const attn_args *a, float prob[][CHUNK], int R, int64_t vba
                      float *acc) {
     const int D = a->head_dim, dtype = a->dtype;
     const int64_t row = a->row;
-#if defined(__AVX512F__)
+#if defined(HAVE_VEC16)
     if (D % 16 == 0) {
         /* Registers hold 4 rows x 64 dims of the accumulator at a time. */
         for (int d0 = 0; d0 < D; d0 += 64) {
             const int nc = D - d0 < 64 ? (D - d0) / 16 : 4;
             for (int r0 = 0; r0 < R; r0 += 4) {
                 const int nr = R - r0 < 4 ? R - r0 : 4;
-                __m512 c[4][4];
+                vf16 c[4][4];
                 for (int i = 0; i < nr; i++)
                     for (int k = 0; k < nc; k++)
-                        c[i][k] = _mm512_loadu_ps(acc + (size_t)(r0 + i) * D + d0 + 16 * k);
+                        c[i][k] = v16_loadu(acc + (size_t)(r0 + i) * D + d0 + 16 * k);
                 for (int j = 0; j < n; j++) {
                     const int64_t off = vbase + j * row + d0;
-                    __m512 v[4];
+                    vf16 v[4];
                     for (int k = 0; k < nc; k++) v[k] = load16(a->v_cache, off + 16 * k, dtype);
                     for (int i = 0; i < nr; i++) {
-                        const __m512 p = _mm512_set1_ps(prob[r0 + i][j]);
-                        for (int k = 0; k < nc; k++) c[i][k] = _mm512_fmadd_ps(p, v[k], c[i][k]);
+                        const vf16 p = v16_set1(prob[r0 + i][j]);
+                        for (int k = 0; k < nc; k++) c[i][k] = v16_fmadd(p, v[k], c[i][k]);
                     }
                 }
                 for (int i = 0; i < nr; i++)
                     for (int k = 0; k < nc; k++)
-                        _mm512_storeu_ps(acc + (size_t)(r0 + i) * D + d0 + 16 * k, c[i][k]);
+                        v16_storeu(acc + (size_t)(r0 + i) * D + d0 + 16 * k, c[i][k]);
             }
         }
         return;
