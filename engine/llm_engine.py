@@ -78,12 +78,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         if device.type == "cuda" or cpu_has_bf16():
             return torch.bfloat16
         return torch.float32
-    if device.type == "cpu" and name in ("bfloat16", "float16") and not cpu_has_bf16():
+    if device.type == "cpu" and name == "bfloat16" and not cpu_has_bf16():
         logger.warning(
-            "dtype %s on a CPU without native bf16 arithmetic (no avx512_bf16 or amx_bf16): "
-            "matmuls are emulated and several times slower than float32; dtype 'auto' picks "
-            "float32 here",
-            name,
+            "dtype bfloat16 on a CPU without native bf16 arithmetic (no avx512_bf16 or "
+            "amx_bf16): matmuls are emulated and several times slower than float32; dtype "
+            "'auto' picks float32 here"
         )
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 

@@ -6,8 +6,8 @@ PyTorch ops per layer, each a dispatch plus a pass over memory; the native versi
 wherever the eager ops do, so outputs agree with the reference functions in ``llama.py`` up to
 float32 summation order; in float32 they do the eager ops' arithmetic and differ only in
 summation order (RMSNorm) and the last bit of e^x (SiLU), less than the matmuls' own variation
-between kernels. :func:`enabled` says whether to use them: CPU tensors of either
-dtype with the native library built.
+between kernels. :func:`enabled` says whether to use them: CPU tensors of either dtype, with the
+native library built.
 """
 
 from __future__ import annotations
