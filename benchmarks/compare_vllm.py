@@ -165,7 +165,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--python", default=sys.executable, help="interpreter that creates the venv")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtypes", default="bfloat16,float32")
-    ap.add_argument("--workloads", default="w1,batch1,w2", help="for bfloat16; float32 runs w1")
+    ap.add_argument(
+        "--workloads",
+        default=None,
+        help="comma-separated, for every dtype (default: w1,batch1,w2 in bfloat16, w1 in float32)",
+    )
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3, help="rounds; each engine runs once per round")
     ap.add_argument("--threads", type=int, default=None, help="our torch threads")
@@ -184,7 +188,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with open("/proc/loadavg") as f:
         summary["loadavg_start"] = f.read().split()[:3]
     for dtype in args.dtypes.split(","):
-        workloads = args.workloads.split(",") if dtype == "bfloat16" else ["w1"]
+        if args.workloads is not None:
+            workloads = args.workloads.split(",")
+        else:
+            workloads = ["w1", "batch1", "w2"] if dtype == "bfloat16" else ["w1"]
         t0 = time.perf_counter()
         children: list[Child] = []
         runs: dict[str, dict[str, list[dict]]] = {}
