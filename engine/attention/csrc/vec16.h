@@ -67,22 +67,15 @@ static inline vf16 v16_hsum16(const vf16 *v) {
     return _mm512_permutexvar_ps(idx, s);
 }
 
-static inline vf16 exp16(vf16 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+static inline vf16 v16_fnmadd(vf16 a, vf16 b, vf16 c) { return _mm512_fnmadd_ps(a, b, c); }
+static inline vf16 v16_clamp(vf16 x, float lo, float hi) {
+    return _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(lo)), _mm512_set1_ps(hi));
 }
+static inline vf16 v16_round(vf16 x) {
+    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+/* p * 2^n for integral n in [-126, 127]. */
+static inline vf16 v16_scale_pow2(vf16 p, vf16 n) { return _mm512_scalef_ps(p, n); }
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -171,27 +164,47 @@ static inline vf16 v16_hsum16(const vf16 *v) {
     return (vf16){hsum8x8(s), hsum8x8(s + 8)};
 }
 
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    /* 2^n through the exponent field: n is in [-126, 127] after the clamp. */
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+static inline vf16 v16_fnmadd(vf16 a, vf16 b, vf16 c) {
+    return (vf16){_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+static inline __m256 clamp8(__m256 x, float lo, float hi) {
+    return _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(lo)), _mm256_set1_ps(hi));
+}
+static inline vf16 v16_clamp(vf16 x, float lo, float hi) {
+    return (vf16){clamp8(x.lo, lo, hi), clamp8(x.hi, lo, hi)};
+}
+static inline vf16 v16_round(vf16 x) {
+    const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return (vf16){_mm256_round_ps(x.lo, mode), _mm256_round_ps(x.hi, mode)};
+}
+/* p * 2^n for integral n in [-126, 127], through the exponent field. */
+static inline __m256 scale_pow2_8(__m256 p, __m256 n) {
+    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+static inline vf16 v16_scale_pow2(vf16 p, vf16 n) {
+    return (vf16){scale_pow2_8(p.lo, n.lo), scale_pow2_8(p.hi, n.hi)};
 }
 
-static inline vf16 exp16(vf16 x) { return (vf16){exp8(x.lo), exp8(x.hi)}; }
 
+#endif
+
+#if defined(HAVE_VEC16)
+static inline vf16 exp16(vf16 x) {
+    x = v16_clamp(x, -87.0f, 88.0f);
+    const vf16 n = v16_round(v16_mul(x, v16_set1(1.44269504088896341f)));
+    vf16 r = v16_fnmadd(n, v16_set1(0.693145751953125f), x);
+    r = v16_fnmadd(n, v16_set1(1.428606765330187045e-06f), r);
+    vf16 p = v16_set1(1.0f / 5040.0f);
+    p = v16_fmadd(p, r, v16_set1(1.0f / 720.0f));
+    p = v16_fmadd(p, r, v16_set1(1.0f / 120.0f));
+    p = v16_fmadd(p, r, v16_set1(1.0f / 24.0f));
+    p = v16_fmadd(p, r, v16_set1(1.0f / 6.0f));
+    p = v16_fmadd(p, r, v16_set1(0.5f));
+    p = v16_fmadd(p, r, v16_set1(1.0f));
+    p = v16_fmadd(p, r, v16_set1(1.0f));
+    return v16_scale_pow2(p, n);
+}
 #endif
 
 #endif
