@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.attention import native
 from engine.attention.base import select_backend
+from engine.llm_engine import cpu_flags
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -315,11 +315,10 @@ def test_fused_elementwise_ops_match_reference_ops(width, dtype):
     from engine.model.llama import apply_rope, rms_norm
 
     gen = torch.Generator().manual_seed(5)
-    bf = dtype
     rtol = FUSED_RTOL[dtype]
-    x = (torch.randn(7, width, generator=gen) * 3).to(bf)
-    res = torch.randn(7, width, generator=gen).to(bf)
-    w = torch.randn(width, generator=gen).to(bf)
+    x = (torch.randn(7, width, generator=gen) * 3).to(dtype)
+    res = torch.randn(7, width, generator=gen).to(dtype)
+    w = torch.randn(width, generator=gen).to(dtype)
     assert fused.enabled(x)
 
     expected_sum = x + res
@@ -331,12 +330,12 @@ def test_fused_elementwise_ops_match_reference_ops(width, dtype):
         assert (got != expected).float().mean() < 0.05  # mostly the very same rounding
 
     heads, kv_heads, dim = 4, 2, 16
-    qkv = torch.randn(7, (heads + 2 * kv_heads) * dim, generator=gen).to(bf)
+    qkv = torch.randn(7, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
     positions = torch.tensor([0, 1, 5, 9, 100, 3, 2])
     inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
     freqs = torch.arange(128).float()[:, None] * inv[None, :]
     cos_t, sin_t = freqs.cos(), freqs.sin()
-    cos, sin = cos_t[positions].to(bf).unsqueeze(1), sin_t[positions].to(bf).unsqueeze(1)
+    cos, sin = cos_t[positions].to(dtype).unsqueeze(1), sin_t[positions].to(dtype).unsqueeze(1)
     q_ref = apply_rope(qkv[:, : heads * dim].view(7, heads, dim), cos, sin)
     k_ref = apply_rope(
         qkv[:, heads * dim : (heads + kv_heads) * dim].view(7, kv_heads, dim), cos, sin
@@ -351,7 +350,7 @@ def test_fused_elementwise_ops_match_reference_ops(width, dtype):
     )
     assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)
 
-    gate_up = (torch.randn(7, 2 * (width - 16), generator=gen) * 4).to(bf)
+    gate_up = (torch.randn(7, 2 * (width - 16), generator=gen) * 4).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturating and zero gates
     gate, up = gate_up.chunk(2, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
@@ -374,14 +373,6 @@ def test_fused_forward_generates_like_reference_forward(tiny_llama):
     assert [o[:6] for o in outs[True]] == [o[:6] for o in outs[False]]
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split()}
-
-
 @needs_compiler
 @pytest.mark.parametrize(
     "march",
@@ -392,7 +383,7 @@ def _cpu_flags() -> set[str]:
         pytest.param(
             "x86-64-v3",
             marks=pytest.mark.skipif(
-                not {"avx2", "fma"} <= _cpu_flags(), reason="needs a CPU with AVX2 and FMA"
+                not {"avx2", "fma"} <= cpu_flags(), reason="needs a CPU with AVX2 and FMA"
             ),
         ),
     ],

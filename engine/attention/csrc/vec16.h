@@ -186,7 +186,6 @@ static inline vf16 v16_scale_pow2(vf16 p, vf16 n) {
     return (vf16){scale_pow2_8(p.lo, n.lo), scale_pow2_8(p.hi, n.hi)};
 }
 
-
 #endif
 
 #if defined(HAVE_VEC16)
