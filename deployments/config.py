@@ -117,8 +117,12 @@ class AppArgs(_Strict):
     # Tokens produced within this window after the first are sent as one stream item.
     stream_interval_ms: float = Field(20.0, ge=0)
     # Most stream items per second an engine replica sends, over all its streams together; under
-    # load each stream's window widens to (streams / this) seconds. None: no cap.
-    stream_items_per_s: float | None = Field(None, gt=0)
+    # load each stream's window widens to (streams / this) seconds. None: no cap. Every item costs
+    # ~1-3 ms of CPU across the replica, the ingress and the proxy (docs/benchmarks.md).
+    stream_items_per_s: float | None = Field(25.0, gt=0)
+    # How the ingress reaches engine replicas: "grpc" (Serve's direct gRPC channel to the
+    # replica, about half the CPU per stream item) or "actor" (Ray actor calls).
+    handle_transport: Literal["grpc", "actor"] = "grpc"
 
     @model_validator(mode="after")
     def _check(self) -> AppArgs:

@@ -106,6 +106,10 @@ async def _unexpected_error(_: Request, e: Exception) -> JSONResponse:
 # Attempts per request when its engine replica fails before anything reached the client.
 MAX_ATTEMPTS = 3
 RETRY_BACKOFF_S = 0.1
+# Serve replica states of a replica that is not serving yet (``ReplicaState`` values).
+STARTING_STATES = ("STARTING", "UPDATING", "RECOVERING")
+# How long the end of an engine stream may lag its final item.
+READ_TO_END_TIMEOUT_S = 5.0
 
 
 class _RetryableError(Exception):
@@ -205,6 +209,49 @@ class _LeasedStreamingResponse(StreamingResponse):
             self.lease.release()
 
 
+async def _read_to_end(stream: Any) -> None:
+    """Read a finished engine stream past its final item. Serve counts a request against its
+    replica until the call completes, and a gRPC call completes only when the caller reads its
+    end: without this the router would see every finished request as still running there."""
+    try:
+        item = await asyncio.wait_for(stream.__anext__(), READ_TO_END_TIMEOUT_S)
+    except StopAsyncIteration:
+        return
+    except Exception as e:  # noqa: BLE001 - the answer is complete; only the call's end is lost
+        logger.warning("engine stream did not end cleanly after its final item: %r", e)
+    else:
+        logger.warning("engine stream went on after its final item: %r", item)
+    stream.cancel()
+
+
+def _enum_value(x: Any) -> str:
+    """A Serve status enum's value ("RUNNING"); ``str()`` of one is "ReplicaState.RUNNING"."""
+    return str(getattr(x, "value", x))
+
+
+def health_verdict(
+    states: dict[str, int], reports: dict[str, dict[str, Any]], deployment_status: str | None
+) -> tuple[bool, dict[str, Any]]:
+    """Whether every engine replica can serve, and the body of ``/health``: ``states`` counts
+    the Engine deployment's replicas by Serve state, ``reports`` are the replicas' own latest
+    reports. A replica still starting cannot serve yet; answering 200 then would let a client's
+    first burst land on the replicas that happen to be up, where it stays."""
+    running = states.get("RUNNING", 0)
+    healthy = [rid for rid, r in reports.items() if r.get("healthy")]
+    ok = (
+        running > 0
+        and not any(states.get(s, 0) for s in STARTING_STATES)
+        and len(healthy) >= running
+        and all(r.get("healthy") for r in reports.values())
+        and deployment_status != "UNHEALTHY"
+    )
+    return ok, {
+        "status": "ok" if ok else "unavailable",
+        "replicas": states,
+        "healthy_replicas": sorted(healthy),
+    }
+
+
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     err = e.errors()[0]
     loc = [str(x) for x in err.get("loc", ()) if not isinstance(x, int)]
@@ -229,6 +276,11 @@ class Ingress:
     def __init__(self, engine: DeploymentHandle, args: dict[str, Any]) -> None:
         self.args = AppArgs.model_validate(args)
         self.engine = engine
+        self.generate_handle = engine.options(
+            method_name="generate",
+            stream=True,
+            _by_reference=self.args.handle_transport == "actor",
+        )
         model_dir = resolve_model(self.args.model)
         hf_config, generation_config = load_hf_config(model_dir)
         model_cfg = model_config_from_hf(hf_config, generation_config)
@@ -437,20 +489,13 @@ class Ingress:
             return JSONResponse({"status": "unavailable", "reason": repr(e)}, status_code=503)
         app_status = status.applications.get(serve.get_replica_context().app_name)
         engine_status = app_status.deployments.get("Engine") if app_status else None
-        states = dict(engine_status.replica_states) if engine_status else {}
-        running = states.get("RUNNING", 0)
-        healthy = [rid for rid, r in reports.items() if r.get("healthy")]
-        ok = (
-            running > 0
-            and len(healthy) >= running
-            and all(r.get("healthy") for r in reports.values())
-            and (engine_status is None or str(engine_status.status) != "UNHEALTHY")
+        ok, body = health_verdict(
+            {_enum_value(k): n for k, n in engine_status.replica_states.items()}
+            if engine_status
+            else {},
+            reports,
+            _enum_value(engine_status.status) if engine_status else None,
         )
-        body = {
-            "status": "ok" if ok else "unavailable",
-            "replicas": states,
-            "healthy_replicas": sorted(healthy),
-        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -484,7 +529,7 @@ class Ingress:
         attempt = 1
         try:
             while True:
-                lease.stream = self.engine.options(stream=True).generate.remote(engine_req)
+                lease.stream = self.generate_handle.remote(engine_req)
                 try:
                     first = await self._next_item(lease.stream)
                     headers = {"x-engine-replica": first["replica_id"]}
@@ -508,6 +553,7 @@ class Ingress:
                     attempt += 1
                     continue
                 lease.finished = True
+                await _read_to_end(lease.stream)
                 return JSONResponse(builder.full(items), headers=headers)
         finally:
             if not handed_off:
@@ -574,5 +620,7 @@ class Ingress:
                     yield sse(error_body(str(err), err.type, err.param, err.code))
                     break
             yield b"data: [DONE]\n\n"
+            if lease.finished:
+                await _read_to_end(lease.stream)
         finally:
             lease.release()

@@ -21,7 +21,15 @@ from deployments.app import (
 )
 from deployments.config import AppArgs
 from deployments.engine_request import error_item
-from deployments.ingress import HTTPError, Ingress, IngressMetrics, _Lease, _RetryableError
+from deployments.ingress import (
+    HTTPError,
+    Ingress,
+    IngressMetrics,
+    _Lease,
+    _read_to_end,
+    _RetryableError,
+    health_verdict,
+)
 
 # Serve replaces a replica after this many failed health checks in a row.
 SERVE_UNHEALTHY_THRESHOLD = 3
@@ -170,6 +178,62 @@ def test_lease_releases_once_and_cancels_an_unfinished_stream() -> None:
     done.release()
     assert ing.inflight == 0 and done.stream.cancelled == 0
     assert ing.ingress_metrics.peak == 2
+
+
+class HangingStream(FakeStream):
+    async def __anext__(self) -> Any:
+        await asyncio.sleep(3600)
+
+
+def test_finished_stream_is_read_to_its_end() -> None:
+    """Serve counts a request on its replica until the call ends, and a gRPC call ends only when
+    its end is read: a finished stream is read once more, and cut off if something follows."""
+    ended = FakeStream()
+    asyncio.run(_read_to_end(ended))
+    assert ended.cancelled == 0
+    extra = FakeStream({"token_ids": [1]}, {"token_ids": [2]})
+    asyncio.run(_read_to_end(extra))
+    assert extra.cancelled == 1 and len(extra.outcomes) == 1
+    failed = FakeStream(ActorDiedError())
+    asyncio.run(_read_to_end(failed))
+    assert failed.cancelled == 1
+
+
+def test_stream_that_never_ends_is_cancelled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ingress_module, "READ_TO_END_TIMEOUT_S", 0.05)
+    stream = HangingStream()
+    asyncio.run(asyncio.wait_for(_read_to_end(stream), 5.0))
+    assert stream.cancelled == 1
+
+
+UP = {"healthy": True}
+DOWN = {"healthy": False}
+
+
+@pytest.mark.parametrize(
+    ("states", "reports", "deployment_status", "ok"),
+    [
+        ({"RUNNING": 2}, {"a": UP, "b": UP}, "HEALTHY", True),
+        # One replica up and one still loading its model: not every replica can serve yet.
+        ({"RUNNING": 1, "STARTING": 1}, {"a": UP}, "UPDATING", False),
+        ({"RUNNING": 1, "RECOVERING": 1}, {"a": UP}, "HEALTHY", False),
+        ({"RUNNING": 2}, {"a": UP, "b": DOWN}, "HEALTHY", False),
+        # Serve says RUNNING before the replica's first report reached the registry.
+        ({"RUNNING": 2}, {"a": UP}, "HEALTHY", False),
+        ({"RUNNING": 2}, {"a": UP, "b": UP}, "UNHEALTHY", False),
+        # A replica on its way out does not make the others unable to serve.
+        ({"RUNNING": 2, "STOPPING": 1}, {"a": UP, "b": UP}, "DOWNSCALING", True),
+        ({}, {}, None, False),
+    ],
+)
+def test_health_is_ok_only_when_every_replica_can_serve(
+    states: dict[str, int], reports: dict[str, Any], deployment_status: str | None, ok: bool
+) -> None:
+    verdict, body = health_verdict(states, reports, deployment_status)
+    assert verdict is ok
+    assert body["status"] == ("ok" if ok else "unavailable")
+    assert body["replicas"] == states
+    assert body["healthy_replicas"] == sorted(k for k, r in reports.items() if r["healthy"])
 
 
 def test_serve_options_bound_every_queue_with_429() -> None:

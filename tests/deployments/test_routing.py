@@ -18,7 +18,9 @@ APP = "routing"
 BLOCK = 16
 
 
-async def _run(base_url: str, prompts: list[list[int]], concurrency: int) -> list[dict]:
+async def _run(
+    base_url: str, prompts: list[list[int]], concurrency: int, max_tokens: int = 4
+) -> list[dict]:
     """Send the prompts in order with at most ``concurrency`` in flight."""
     sem = asyncio.Semaphore(concurrency)
     results: list[dict] = [{}] * len(prompts)
@@ -28,7 +30,7 @@ async def _run(base_url: str, prompts: list[list[int]], concurrency: int) -> lis
             body = {
                 "model": "tiny",
                 "prompt": prompts[i],
-                "max_tokens": 4,
+                "max_tokens": max_tokens,
                 "temperature": 0,
                 "ignore_eos": True,
             }
@@ -100,7 +102,9 @@ def test_unrelated_prompts_spread(base_url: str) -> None:
     prompts = [
         [rng.randrange(100, 40000) for _ in range(rng.randrange(40, 120))] for _ in range(40)
     ]
-    results = asyncio.run(_run(base_url, prompts, concurrency=4))
+    # Long enough that requests overlap, so the router's load estimate decides: with requests
+    # over before the next arrives, both replicas look idle and each choice is a coin flip.
+    results = asyncio.run(_run(base_url, prompts, concurrency=4, max_tokens=16))
     counts = collections.Counter(r["replica"] for r in results)
     assert len(counts) == 2
     assert max(counts.values()) <= 0.65 * len(prompts), counts
