@@ -5,7 +5,10 @@ imply for the default model.
 
 * read bandwidth: ``sum`` over a 512 MiB float32 tensor (far beyond the caches);
 * matmul rate: this model's layer shapes (qkv, o, gate_up, down) at 2048 and 64 rows, bf16
-  through the same oneDNN-packed path the engine uses, fp32 through ``F.linear`` (MKL).
+  through the same oneDNN-packed path the engine uses, fp32 through the path ``linear`` picks;
+* fp32 kernels: MKL's sgemm (``F.linear``) against oneDNN's packed kernel at 1 to 2048 rows,
+  over 8 layers' distinct weights (113 MB, beyond the caches), which decides
+  ``linear.FP32_PACKED_ROWS`` for this CPU's vendor.
 
 A decode step at batch ``B`` reads every weight once (bytes / bandwidth) and does
 ``2 * params * B`` FLOPs (FLOPs / rate); the larger of the two is its floor.
@@ -18,8 +21,10 @@ import json
 import time
 
 import torch
+import torch.nn.functional as F
 
-from engine.model.linear import linear, pack_weight
+from engine.cpuinfo import cpu_vendor
+from engine.model.linear import FP32_PACKED_ROWS, linear, pack_weight
 
 # SmolLM2-135M: hidden 576, 9 heads / 3 KV heads of 64, intermediate 1536, 30 layers, vocab 49152.
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -53,6 +58,28 @@ def matmul_rate(dtype: torch.dtype, rows: int, repeat: int = 5) -> float:
     return flops / total / 1e9
 
 
+def fp32_kernels(rows: int, layers: int = 8, repeat: int = 3) -> dict[str, float]:
+    """ms for ``layers`` layers' four linears at ``rows`` rows: MKL vs oneDNN packed."""
+    weights = [torch.randn(n, k) * 0.02 for _ in range(layers) for n, k in LAYER_SHAPES]
+    packed = [pack_weight(w) for w in weights]
+    xs = {k: torch.randn(rows, k) for _, k in LAYER_SHAPES}
+    if any(p is None for p in packed):
+        return {}
+
+    def mkl() -> None:
+        for w in weights:
+            F.linear(xs[w.shape[1]], w)
+
+    def onednn() -> None:
+        for w, p in zip(weights, packed, strict=True):
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+
+    return {
+        "mkl_ms": round(best_of(mkl, repeat) * 1e3, 2),
+        "onednn_ms": round(best_of(onednn, repeat) * 1e3, 2),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=None)
@@ -74,6 +101,9 @@ def main(argv: list[str] | None = None) -> dict:
                 "flops_ms": round(flop_ms, 1),
                 "max_tok_s": round(batch / max(mem_ms, flop_ms) * 1e3),
             }
+    out["cpu_vendor"] = cpu_vendor()
+    out["fp32_packed_rows"] = f"{FP32_PACKED_ROWS.start}..{FP32_PACKED_ROWS.stop - 1}"
+    out["fp32_kernels_8_layers"] = {rows: fp32_kernels(rows) for rows in (1, 2, 4, 64, 512, 2048)}
     print(json.dumps(out, indent=1))
     return out
 

@@ -16,6 +16,7 @@ import torch
 
 from engine.attention.base import select_backend
 from engine.config import EngineConfig
+from engine.cpuinfo import cpu_flags
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model.config import model_config_from_hf, rope_cos_sin, rope_inv_freq
@@ -60,17 +61,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: cuda requested but no CUDA device is available")
     return torch.device(name)
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is unreadable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    return frozenset(
-        f for line in text.splitlines() if line.startswith("flags") for f in line.split()
-    )
 
 
 def cpu_has_bf16() -> bool:

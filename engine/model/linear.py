@@ -2,12 +2,11 @@
 
 ``F.linear`` in bfloat16 on CPU reorders the weight into oneDNN's blocked (AMX / AVX512-BF16)
 layout on every call; packing it once and calling ``torch.ops.mkldnn._linear_pointwise`` skips
-that, which measured 1.4-2x faster for this model's shapes at 1-64 rows. In float32, ``F.linear``
-is MKL's sgemm; oneDNN's packed kernel beats it by 5-20% from 4 to 256 rows (decode batches) and
-loses at 1 row and at prefill sizes, so float32 takes the packed path only in that range (the
-packed copy costs another copy of the weights in memory). Packing is only used when the op
-exists in this torch build and a probe matches ``F.linear``; otherwise :func:`pack_weight`
-returns None and :func:`linear` uses ``F.linear``.
+that, which measured 1.4-2x faster for this model's shapes at 1-64 rows. In float32,
+``F.linear`` is MKL's sgemm, and which of the two wins depends on the CPU (see
+:func:`fp32_packed_rows`); the packed copy costs another copy of the weights in memory. Packing
+is only used when the op exists in this torch build and a probe matches ``F.linear``; otherwise
+:func:`pack_weight` returns None and :func:`linear` uses ``F.linear``.
 """
 
 from __future__ import annotations
@@ -16,6 +15,8 @@ import logging
 
 import torch
 import torch.nn.functional as F
+
+from engine.cpuinfo import cpu_vendor
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +31,21 @@ def _ops_available() -> bool:
     )
 
 
-# Rows of a float32 input for which the packed oneDNN kernel beats MKL (measured, 2 cores).
-FP32_PACKED_ROWS = range(4, 257)
+def fp32_packed_rows(vendor: str) -> range:
+    """Rows of a float32 input for which the packed oneDNN kernel beats MKL's sgemm (measured
+    at this model's shapes, 2 threads, docs/performance.md).
+
+    On Intel (Sapphire Rapids) oneDNN wins by 5-20% from 4 to 256 rows and loses at 1 row and
+    at prefill sizes. On AMD (Zen 3) MKL takes its slower non-Intel code paths and oneDNN wins
+    at every row count measured, 1 to 2,048: by 1.3x at 1 row, 2-3x at 2-8 rows (a whole
+    batch-1 decode step went from ~60 to ~45 ms). Other or unknown CPUs keep Intel's range.
+    """
+    if vendor == "AuthenticAMD":
+        return range(1, 1 << 31)
+    return range(4, 257)
+
+
+FP32_PACKED_ROWS = fp32_packed_rows(cpu_vendor())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:

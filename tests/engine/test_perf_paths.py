@@ -13,7 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.attention import native
 from engine.attention.base import select_backend
-from engine.llm_engine import cpu_flags
+from engine.cpuinfo import cpu_flags
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None,
