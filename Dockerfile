@@ -20,10 +20,13 @@ ARG TORCH_CPU_SPEC=torch==2.13.0
 ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 # Where converted models live (engine.model.loader.cache_dir()); the model is written here below
-# and found here at run time, in every Ray process of every Pod.
+# and found here at run time, in every Ray process of every Pod. The RAY_SERVE_ settings are
+# read by Serve's controller and proxy (deployments/ray_env.py).
 ENV PREFIXSERVE_CACHE_DIR=/home/ray/prefixserve-cache \
     TOKENIZERS_PARALLELISM=false \
     HF_HUB_OFFLINE=1 \
+    RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5 \
+    RAY_SERVE_PROXY_USE_GRPC=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 

@@ -14,6 +14,10 @@ PYTEST_ARGS ?=
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export TOKENIZERS_PARALLELISM ?= false
+# Read by Serve's controller and proxy where Ray starts; the same values as
+# deployments/ray_env.py (why: its docstring).
+export RAY_SERVE_CONTROL_LOOP_INTERVAL_S ?= 0.5
+export RAY_SERVE_PROXY_USE_GRPC ?= 1
 
 .PHONY: venv serve test lint fmt bench clean
 

@@ -21,6 +21,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 from deployments.config import AppArgs
+from deployments.ray_env import SERVE_PROCESS_ENV
 from tests.deploy import dockerfile
 from tests.deploy.kube import CustomResourceValidator, parse_quantity
 from tests.deploy.rayservice import (
@@ -462,6 +463,16 @@ def test_manifests_keep_the_image_environment(
         for env in container.get("env", []):
             if env["name"] in image_env:
                 assert env.get("value") == image_env[env["name"]], (group, env["name"])
+
+
+def test_every_launcher_sets_the_serve_process_env(docker: list[dockerfile.Instruction]) -> None:
+    """Serve reads these where Ray starts: the image and `make serve` / `make test` must carry
+    the values the app ships with, or a deployment silently runs with Serve's defaults."""
+    image_env = dockerfile.env(docker)
+    makefile = (ROOT / "Makefile").read_text().splitlines()
+    for key, value in SERVE_PROCESS_ENV.items():
+        assert image_env.get(key) == value, key
+        assert f"export {key} ?= {value}" in makefile, key
 
 
 def _run_install_step(

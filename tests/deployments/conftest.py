@@ -11,7 +11,12 @@ from typing import Any
 import httpx
 import pytest
 
+from deployments.ray_env import SERVE_PROCESS_ENV
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# The cluster's controller and proxy run with the settings the app ships with.
+for _key, _value in SERVE_PROCESS_ENV.items():
+    os.environ.setdefault(_key, _value)
 
 
 def _free_port() -> int:
