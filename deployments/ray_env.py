@@ -9,7 +9,8 @@ HTTP on a 2-vCPU machine (docs/benchmarks.md):
 
 * ``RAY_SERVE_CONTROL_LOOP_INTERVAL_S``: the controller reconciles every 0.1 s by default and
   took 1.6 CPU-s per 30 s idle and ~5% of a core under load; at 0.5 s it takes 0.9 idle and
-  under half that under load. Deploys, health verdicts and replica restarts react within 0.5 s instead.
+  under half that under load. Deploys, health verdicts and replica restarts react within 0.5 s
+  instead.
 * ``RAY_SERVE_PROXY_USE_GRPC``: the HTTP proxy hands requests and streamed chunks to the ingress
   over Serve's gRPC channel instead of actor calls (proxy 2.5 -> 1.8 CPU-s per run).
 """
