@@ -87,6 +87,30 @@ static void qk_scores(const float *qf, const void *k_cache, const int64_t *table
     for (int64_t b = 0; t < ctx; b++) {
         const int64_t base = table[b] * block_size * row + head_off;
         const int64_t n = ctx - t < block_size ? ctx - t : block_size;
+#if defined(HAVE_VEC16)
+        if (head_dim == 64 && n == 16) {
+            /* A whole block: the 16 keys' partial products per row go through one transposing
+             * sum (lane j = key j) instead of a horizontal sum per key and row, which on AVX2
+             * is a chain of shuffles each. The block's keys stay in L1 across the rows. */
+            for (int g = 0; g < group; g++) {
+                const float *qg = qf + (size_t)g * 64;
+                const vf16 q0 = v16_loadu(qg), q1 = v16_loadu(qg + 16);
+                const vf16 q2 = v16_loadu(qg + 32), q3 = v16_loadu(qg + 48);
+                vf16 part[16];
+                for (int j = 0; j < 16; j++) {
+                    const int64_t off = base + j * row;
+                    vf16 a = v16_mul(q0, load16(k_cache, off, dtype));
+                    vf16 c = v16_mul(q1, load16(k_cache, off + 16, dtype));
+                    a = v16_fmadd(q2, load16(k_cache, off + 32, dtype), a);
+                    c = v16_fmadd(q3, load16(k_cache, off + 48, dtype), c);
+                    part[j] = v16_add(a, c);
+                }
+                v16_storeu(scores + (size_t)g * ctx + t, v16_hsum16(part));
+            }
+            t += 16;
+            continue;
+        }
+#endif
         for (int64_t j = 0; j < n; j++, t++) {
             const int64_t off = base + j * row;
 #if defined(HAVE_VEC16)
