@@ -393,13 +393,9 @@ def main(argv: Sequence[str] | None = None) -> Profile:
 
 
 def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    from engine.cpuinfo import cpu_model_name
+
+    return cpu_model_name() or platform.processor()
 
 
 def _print_summary(profile: Profile, prefill: list[StepSample], decode: list[StepSample]) -> None:

@@ -35,3 +35,8 @@ def cpu_flags() -> frozenset[str]:
 def cpu_vendor() -> str:
     """``GenuineIntel``, ``AuthenticAMD``, ... or "" where unknown."""
     return _fields().get("vendor_id", "")
+
+
+def cpu_model_name() -> str:
+    """``AMD EPYC ...``, ``Intel(R) Xeon(R) ...``, or "" where unknown."""
+    return _fields().get("model name", "")

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from engine.cpuinfo import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -38,13 +40,7 @@ ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
 
 
 def _cpu_signature() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    return " ".join(sorted(cpu_flags())) or platform.processor()
 
 
 def _cache_dir() -> Path:
