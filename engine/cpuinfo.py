@@ -40,3 +40,9 @@ def cpu_vendor() -> str:
 def cpu_model_name() -> str:
     """``AMD EPYC ...``, ``Intel(R) Xeon(R) ...``, or "" where unknown."""
     return _fields().get("model name", "")
+
+
+def cpu_has_bf16() -> bool:
+    """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX); without either, torch's
+    bf16 matmuls are emulated."""
+    return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})

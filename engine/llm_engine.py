@@ -16,7 +16,7 @@ import torch
 
 from engine.attention.base import select_backend
 from engine.config import EngineConfig
-from engine.cpuinfo import cpu_flags
+from engine.cpuinfo import cpu_has_bf16
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model.config import model_config_from_hf, rope_cos_sin, rope_inv_freq
@@ -63,23 +63,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_has_bf16() -> bool:
-    return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto`` is bfloat16 on CUDA and on CPUs with native bf16 arithmetic (AVX512-BF16 or
-    AMX), float32 elsewhere: without them every bf16 matmul is emulated, which measured about 7x
-    slower than float32 on an AVX2-only CPU (docs/performance.md)."""
+    AMX), float32 elsewhere. Without native bf16, an explicit bfloat16 keeps bf16 weights and KV
+    cache but multiplies batches of more than a few rows in float32 (``linear.upcast_linear``):
+    on an AVX2-only CPU W1 then ran ~15% slower than float32 and batch-1 decode ~40% faster,
+    since a lone sequence is bound by reading the weights (docs/performance.md)."""
     if name == "auto":
         if device.type == "cuda" or cpu_has_bf16():
             return torch.bfloat16
         return torch.float32
     if device.type == "cpu" and name == "bfloat16" and not cpu_has_bf16():
-        logger.warning(
+        logger.info(
             "dtype bfloat16 on a CPU without native bf16 arithmetic (no avx512_bf16 or "
-            "amx_bf16): matmuls are emulated and several times slower than float32; dtype "
-            "'auto' picks float32 here"
+            "amx_bf16): weights and KV cache are bf16, matmuls of more than a few rows run in "
+            "float32; dtype 'auto' picks float32 here"
         )
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 

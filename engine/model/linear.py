@@ -7,16 +7,23 @@ that, which measured 1.4-2x faster for this model's shapes at 1-64 rows. In floa
 :func:`fp32_packed_rows`); the packed copy costs another copy of the weights in memory. Packing
 is only used when the op exists in this torch build and a probe matches ``F.linear``; otherwise
 :func:`pack_weight` returns None and :func:`linear` uses ``F.linear``.
+
+On a CPU without native bf16 arithmetic (no AVX512-BF16, no AMX) torch's bf16 matmul is
+emulated at roughly the cost of one matrix-vector product per input row: at 64 rows it took 5.5x
+float32's time for this model's shapes, at 2,048 rows 9x. Past a few rows :func:`linear`
+therefore widens the bf16 weight to float32 a slice at a time, multiplies in float32 and rounds
+the output to bf16 (see :func:`upcast_linear`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 import torch.nn.functional as F
 
-from engine.cpuinfo import cpu_vendor
+from engine.cpuinfo import cpu_has_bf16, cpu_vendor
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +54,15 @@ def fp32_packed_rows(vendor: str) -> range:
 
 FP32_PACKED_ROWS = fp32_packed_rows(cpu_vendor())
 
+# bf16 inputs of more rows than this take ``upcast_linear`` on a CPU without native bf16: the
+# emulated kernel wins at 1-4 rows (bandwidth-bound: it reads half the bytes), float32 from about
+# 5 rows on (measured on Zen 3 at this model's shapes, docs/performance.md).
+BF16_EMULATED_MAX_ROWS: int | None = None if cpu_has_bf16() else 4
+# Weight elements widened per slice: 4 MiB of float32 stays in cache between the conversion that
+# writes it and the matmul that reads it; smaller slices cost more in per-slice overhead.
+UPCAST_SLICE_ELEMS = 1 << 20
+_scratch = threading.local()
+
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """A oneDNN-packed copy of ``weight [out, in]`` (bf16 or fp32, CPU), or None when not
@@ -76,8 +92,44 @@ def linear(
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if (
+        x.dtype == torch.bfloat16
+        and BF16_EMULATED_MAX_ROWS is not None
+        and x.shape[0] > BF16_EMULATED_MAX_ROWS
+        and x.is_cpu
+    ):
+        return upcast_linear(x, weight, bias)
     if packed is None or x.dtype != packed.dtype:
         return F.linear(x, weight, bias)
     if x.dtype == torch.float32 and x.shape[0] not in FP32_PACKED_ROWS:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def upcast_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear`` for bf16 ``x [rows, in]`` and ``weight [out, in]`` on CPU, computed in
+    float32 and rounded to bf16 once at the end: the same arithmetic as a bf16 kernel with float32
+    accumulation (a native one rounds the same way), up to the order of the sums.
+
+    The weight is widened ``UPCAST_SLICE_ELEMS`` elements at a time into a per-thread scratch
+    buffer, so no float32 copy of the model is ever held; each slice of output features is one
+    float32 matmul, written as rows of the transposed output so every write is contiguous.
+    """
+    out_features, in_features = weight.shape
+    x32 = x.float()
+    out_t = torch.empty(out_features, x.shape[0], dtype=torch.float32)
+    step = max(1, UPCAST_SLICE_ELEMS // in_features)
+    scratch = getattr(_scratch, "buf", None)
+    if scratch is None or scratch.numel() < step * in_features:
+        scratch = _scratch.buf = torch.empty(step * in_features, dtype=torch.float32)
+    for start in range(0, out_features, step):
+        end = min(out_features, start + step)
+        w32 = scratch[: (end - start) * in_features].view(end - start, in_features)
+        w32.copy_(weight[start:end])
+        torch.mm(w32, x32.t(), out=out_t[start:end])
+    y = out_t.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(torch.bfloat16, memory_format=torch.contiguous_format)

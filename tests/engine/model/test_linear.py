@@ -47,3 +47,52 @@ def test_linear_without_a_packed_copy_is_f_linear() -> None:
 
 def test_pack_weight_declines_other_dtypes() -> None:
     assert lin.pack_weight(torch.randn(8, 4, dtype=torch.float16)) is None
+
+
+@pytest.mark.parametrize("rows", [5, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_upcast_linear_rounds_a_float32_product_to_bf16(
+    monkeypatch: pytest.MonkeyPatch, rows: int, with_bias: bool
+) -> None:
+    """Sliced (a small slice size leaves a partial last slice) and whole, the result is the
+    float32 product of the bf16 operands rounded once, in a fresh contiguous bf16 tensor, as
+    torch's own bf16 kernel computes it: equal but for a rare last-bit difference where the
+    float32 sums, added in another order, round the other way."""
+    torch.manual_seed(rows)
+    weight = (torch.randn(200, 48) * 0.1).bfloat16()
+    bias = torch.randn(200).bfloat16() if with_bias else None
+    x = torch.randn(rows, 48).bfloat16()
+    expected = F.linear(
+        x.float(), weight.float(), None if bias is None else bias.float()
+    ).bfloat16()
+    for slice_elems in (48 * 7, 1 << 20):
+        monkeypatch.setattr(lin, "UPCAST_SLICE_ELEMS", slice_elems)
+        got = lin.upcast_linear(x, weight, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 200) and got.is_contiguous()
+        for reference in (expected, F.linear(x, weight, bias)):
+            torch.testing.assert_close(got, reference)
+            assert (got != reference).float().mean() < 0.01
+
+
+@pytest.mark.parametrize(
+    ("max_rows", "rows", "upcast"),
+    [(4, 4, False), (4, 5, True), (4, 512, True), (None, 512, False)],
+    ids=["few-rows", "past-the-limit", "prefill", "native-bf16"],
+)
+def test_bf16_rows_past_the_limit_take_the_float32_path(
+    monkeypatch: pytest.MonkeyPatch, max_rows: int | None, rows: int, upcast: bool
+) -> None:
+    """Only bf16 inputs of more than ``BF16_EMULATED_MAX_ROWS`` rows on a CPU without native
+    bf16 are widened; float32 inputs never are."""
+    calls: list[int] = []
+
+    def spy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        calls.append(x.shape[0])
+        return F.linear(x, weight, bias)
+
+    monkeypatch.setattr(lin, "BF16_EMULATED_MAX_ROWS", max_rows)
+    monkeypatch.setattr(lin, "upcast_linear", spy)
+    weight = torch.randn(8, 16)
+    lin.linear(torch.randn(rows, 16).bfloat16(), weight.bfloat16())
+    lin.linear(torch.randn(rows, 16), weight)
+    assert calls == ([rows] if upcast else [])
