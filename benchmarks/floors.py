@@ -8,7 +8,10 @@ imply for the default model.
   through the same oneDNN-packed path the engine uses, fp32 through the path ``linear`` picks;
 * fp32 kernels: MKL's sgemm (``F.linear``) against oneDNN's packed kernel at 1 to 2048 rows,
   over 8 layers' distinct weights (113 MB, beyond the caches), which decides
-  ``linear.FP32_PACKED_ROWS`` for this CPU's vendor.
+  ``linear.FP32_PACKED_ROWS`` for this CPU's vendor;
+* bf16 kernels: torch's bf16 ``F.linear`` against ``upcast_linear`` (the weight widened to float32
+  a slice at a time) at 1 to 2048 rows, 8 layers, which decides ``linear.BF16_EMULATED_MAX_ROWS``
+  on a CPU without native bf16 (on one with it, ``linear`` takes neither: it packs for oneDNN).
 
 A decode step at batch ``B`` reads every weight once (bytes / bandwidth) and does
 ``2 * params * B`` FLOPs (FLOPs / rate); the larger of the two is its floor.
@@ -23,8 +26,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.cpuinfo import cpu_vendor
-from engine.model.linear import FP32_PACKED_ROWS, linear, pack_weight
+from engine.cpuinfo import cpu_has_bf16, cpu_vendor
+from engine.model.linear import FP32_PACKED_ROWS, linear, pack_weight, upcast_linear
 
 # SmolLM2-135M: hidden 576, 9 heads / 3 KV heads of 64, intermediate 1536, 30 layers, vocab 49152.
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -80,6 +83,29 @@ def fp32_kernels(rows: int, layers: int = 8, repeat: int = 3) -> dict[str, float
     }
 
 
+def bf16_kernels(rows: int, layers: int = 8, repeat: int = 3) -> dict[str, float]:
+    """ms for ``layers`` layers' four linears at ``rows`` bf16 rows: torch's bf16 kernel vs the
+    weight widened to float32 slice by slice (the emulated kernel is skipped past 512 rows, where
+    one call takes seconds)."""
+    weights = [
+        (torch.randn(n, k) * 0.02).bfloat16() for _ in range(layers) for n, k in LAYER_SHAPES
+    ]
+    xs = {k: torch.randn(rows, k).bfloat16() for _, k in LAYER_SHAPES}
+
+    def direct() -> None:
+        for w in weights:
+            F.linear(xs[w.shape[1]], w)
+
+    def widened() -> None:
+        for w in weights:
+            upcast_linear(xs[w.shape[1]], w)
+
+    out = {"widened_ms": round(best_of(widened, repeat) * 1e3, 2)}
+    if rows <= 512:
+        out["bf16_ms"] = round(best_of(direct, repeat) * 1e3, 2)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=None)
@@ -104,6 +130,10 @@ def main(argv: list[str] | None = None) -> dict:
     out["cpu_vendor"] = cpu_vendor()
     out["fp32_packed_rows"] = f"{FP32_PACKED_ROWS.start}..{FP32_PACKED_ROWS.stop - 1}"
     out["fp32_kernels_8_layers"] = {rows: fp32_kernels(rows) for rows in (1, 2, 4, 64, 512, 2048)}
+    out["native_bf16"] = cpu_has_bf16()
+    out["bf16_kernels_8_layers"] = {
+        rows: bf16_kernels(rows) for rows in (1, 2, 4, 5, 8, 64, 512, 2048)
+    }
     print(json.dumps(out, indent=1))
     return out
 

@@ -55,9 +55,9 @@ def fp32_packed_rows(vendor: str) -> range:
 FP32_PACKED_ROWS = fp32_packed_rows(cpu_vendor())
 
 # bf16 inputs of more rows than this take ``upcast_linear`` on a CPU without native bf16: the
-# emulated kernel wins at 1-4 rows (bandwidth-bound: it reads half the bytes), float32 from about
-# 5 rows on (measured on Zen 3 at this model's shapes, docs/performance.md).
-BF16_EMULATED_MAX_ROWS: int | None = None if cpu_has_bf16() else 4
+# emulated kernel wins at 1-3 rows (bound by reading the weights, it reads half the bytes),
+# float32 from 4 rows on (Zen 3, this model's shapes: ``python -m benchmarks.floors``).
+BF16_EMULATED_MAX_ROWS: int | None = None if cpu_has_bf16() else 3
 # Weight elements widened per slice: 4 MiB of float32 stays in cache between the conversion that
 # writes it and the matmul that reads it; smaller slices cost more in per-slice overhead.
 UPCAST_SLICE_ELEMS = 1 << 20
