@@ -125,6 +125,9 @@ class AppArgs(_Strict):
     # channel to the replica: about a quarter less ingress CPU per stream item, which matters at
     # a message per token and was lost in the noise at the default item budget).
     handle_transport: Literal["grpc", "actor"] = "actor"
+    # Pin each engine replica's compute thread to CPUs of its own, where Ray owns the node's
+    # CPUs (see deployments/cpu_affinity.py); off: the kernel places it.
+    pin_engine_cpus: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> AppArgs:

@@ -29,6 +29,7 @@ from prometheus_client import Counter, Gauge
 from ray import serve
 
 from deployments.config import AppArgs
+from deployments.cpu_affinity import replica_engine_cpus
 from deployments.engine_request import EngineRequest, error_item
 from deployments.kv_sharing import KVSharing
 from deployments.metrics import ReplicaMetrics
@@ -80,7 +81,15 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.started_at = time.time()
         self.engine = LLMEngine(self.args.engine_config(num_threads=_assigned_cpus()))
-        self.async_engine = AsyncEngine(self.engine, items_per_s=self.args.stream_items_per_s)
+        self.cpus = replica_engine_cpus() if self.args.pin_engine_cpus else None
+        logger.info(
+            "engine replica %s: engine thread on CPUs %s",
+            self.replica_id,
+            sorted(self.cpus) if self.cpus else "chosen by the kernel",
+        )
+        self.async_engine = AsyncEngine(
+            self.engine, items_per_s=self.args.stream_items_per_s, cpus=self.cpus
+        )
         self.async_engine.on_death = self._on_engine_death
         self.async_engine.start()
         self.metrics = ReplicaMetrics(self.replica_id)

@@ -15,6 +15,10 @@ set, caps the items all streams together yield per second: each stream's coalesc
 to ``num_streams / items_per_s`` when that exceeds the caller's own window. A lone stream still
 gets every token at once; 32 streams under a cap of 100/s get about three items a second each.
 
+CPU affinity: given ``cpus``, the engine thread restricts itself to those CPUs before its first
+step (only itself: other threads of the process keep theirs). Intra-op threads that torch starts
+from it later inherit the set.
+
 Failure: if ``step()`` (or any command) raises, the loop stops for good. ``error`` is set and every
 registered stream and every pending ``call`` future receive ``EngineDeadError`` in the same
 critical section (under ``_lock``), and nothing registers after it, so no caller waits forever on
@@ -26,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -53,11 +58,18 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(
-        self, engine: LLMEngine, idle_wait_s: float = 0.05, items_per_s: float | None = None
+        self,
+        engine: LLMEngine,
+        idle_wait_s: float = 0.05,
+        items_per_s: float | None = None,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         if items_per_s is not None and items_per_s <= 0:
             raise ValueError(f"items_per_s must be positive, got {items_per_s}")
+        if cpus is not None and not cpus:
+            raise ValueError("cpus: must name at least one CPU, or be None")
         self.engine = engine
+        self.cpus = cpus
         self.idle_wait_s = idle_wait_s
         self.items_per_s = items_per_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -221,7 +233,17 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
+    def _pin(self) -> None:
+        if self.cpus is None:
+            return
+        try:
+            # The native thread id: on Linux this restricts this thread, not the process.
+            os.sched_setaffinity(threading.get_native_id(), self.cpus)
+        except (AttributeError, OSError) as e:  # not Linux, or CPUs outside the cgroup's set
+            logger.warning("engine thread not pinned to CPUs %s: %s", sorted(self.cpus), e)
+
     def _run(self) -> None:
+        self._pin()
         try:
             while not self._stop.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished_requests())

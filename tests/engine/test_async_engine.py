@@ -7,6 +7,7 @@ A fault is injected into ``LLMEngine.step`` with monkeypatch; every live stream 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -245,3 +246,30 @@ def test_item_budget_widens_the_window_with_the_number_of_streams(engine: LLMEng
     assert ae.num_streams == 0
     assert ae.window_s() == 0.0
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux CPU affinity")
+def test_engine_thread_keeps_to_its_cpus_and_only_it(engine: LLMEngine) -> None:
+    before = os.sched_getaffinity(0)
+    cpu = max(before)
+    ae = AsyncEngine(engine, idle_wait_s=0.01, cpus=frozenset({cpu}))
+    ae.start()
+
+    async def main() -> set[int]:
+        on_engine_thread = await ae.call(lambda _: os.sched_getaffinity(0))
+        tokens = await asyncio.wait_for(
+            consume(ae, "pinned", SamplingParams(max_tokens=4, temperature=0.0)), DEADLINE_S
+        )
+        assert len(tokens) == 4
+        return on_engine_thread
+
+    try:
+        assert asyncio.run(main()) == {cpu}
+        assert os.sched_getaffinity(0) == before  # the caller's thread is untouched
+    finally:
+        ae.shutdown(timeout=5.0)
+
+
+def test_an_empty_cpu_set_is_refused(engine: LLMEngine) -> None:
+    with pytest.raises(ValueError, match="cpus"):
+        AsyncEngine(engine, cpus=frozenset())
