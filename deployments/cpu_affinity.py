@@ -4,7 +4,7 @@ On a small machine the engine threads of every replica share the cores with the 
 ingress and Ray's own processes. Left to the kernel's scheduler, an engine thread moves between
 cores as the others come and go, and on two shared cores it made ~6% fewer tokens per CPU-second
 than the same work offline; pinned, one core per replica, it matched offline, and W1 over HTTP
-gained 7-10% (docs/benchmarks.md).
+gained 6% on average over four paired runs (0.6% to 10%; docs/benchmarks.md).
 
 Pinning is only safe where Ray owns the CPUs this process may run on: the node's CPU resource
 equals the size of the process's affinity set (a laptop, a VM, a Kubernetes pod with exclusive

@@ -9,8 +9,8 @@ is only used when the op exists in this torch build and a probe matches ``F.line
 :func:`pack_weight` returns None and :func:`linear` uses ``F.linear``.
 
 On a CPU without native bf16 arithmetic (no AVX512-BF16, no AMX) torch's bf16 matmul is
-emulated at roughly the cost of one matrix-vector product per input row: at 64 rows it took 5.5x
-float32's time for this model's shapes, at 2,048 rows 9x. Past a few rows :func:`linear`
+emulated at roughly the cost of one matrix-vector product per input row: at 64 rows it took
+5-6x float32's time for this model's shapes, at 2,048 rows 9x. Past a few rows :func:`linear`
 therefore widens the bf16 weight to float32 a slice at a time, multiplies in float32 and rounds
 the output to bf16 (see :func:`upcast_linear`).
 """
