@@ -52,6 +52,7 @@ from deployments.protocol import ChatCompletionRequest, CompletionRequest, Proto
 from engine.block_hash import compute_block_hashes
 from engine.model.config import model_config_from_hf
 from engine.model.loader import load_hf_config, load_tokenizer, resolve_model
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 
@@ -402,6 +403,12 @@ class Ingress:
             raise HTTPError(400, f"messages: chat template failed: {e}", param="messages") from e
         return list(ids)
 
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        if any(t >= self.vocab_size for t in params.logit_bias):
+            raise HTTPError(
+                400, f"logit_bias: token ids must be in [0, {self.vocab_size})", param="logit_bias"
+            )
+
     def _check_lengths(self, prompt_ids: list[int], max_tokens: int, param: str) -> None:
         if not prompt_ids:
             raise HTTPError(400, "prompt: must not be empty", param="prompt")
@@ -437,6 +444,7 @@ class Ingress:
         except ProtocolError as e:
             raise HTTPError(400, str(e), param=e.param) from e
         self._check_lengths(prompt_ids, params.max_tokens, "max_tokens")
+        self._check_logit_bias(params)
         builder = ResponseBuilder(
             "completion", f"cmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer
         )
@@ -457,6 +465,7 @@ class Ingress:
             raise HTTPError(400, str(e), param=e.param) from e
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         self._check_lengths(prompt_ids, params.max_tokens, param)
+        self._check_logit_bias(params)
         builder = ResponseBuilder(
             "chat", f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer
         )

@@ -1,8 +1,9 @@
 """OpenAI-compatible request schemas (pydantic) and their mapping onto SamplingParams.
 
 Unknown fields are ignored, as OpenAI's own API and vLLM do, so that any client works; fields we
-know but do not implement (``n > 1``, ``echo``, penalties, ``logit_bias``, tools) are rejected
-with a 400 naming the field rather than silently ignored.
+know but do not implement (``n > 1``, ``echo``, tools) are rejected with a 400 naming the
+field rather than silently ignored. ``logit_bias`` keys are token ids written as strings, as
+OpenAI's API sends them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class _SamplingFields(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: StrictInt | None = None
+    min_p: float | None = None
     min_tokens: StrictInt = 0
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
@@ -56,13 +58,6 @@ class _SamplingFields(BaseModel):
     def _check_unsupported(self) -> None:
         if self.n != 1:
             raise ProtocolError("n: only n=1 is supported", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ProtocolError(f"{name}: not supported", name)
-        if self.repetition_penalty not in (None, 1, 1.0):
-            raise ProtocolError("repetition_penalty: not supported", "repetition_penalty")
-        if self.logit_bias:
-            raise ProtocolError("logit_bias: not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError(
                 "stream_options: only allowed when stream is true", "stream_options"
@@ -77,6 +72,13 @@ class _SamplingFields(BaseModel):
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "top_k": -1 if self.top_k is None else self.top_k,
+            "min_p": self.min_p or 0.0,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": (
+                1.0 if self.repetition_penalty is None else self.repetition_penalty
+            ),
+            "logit_bias": self._logit_bias(),
             "min_tokens": self.min_tokens,
             "seed": self.seed,
             "stop": self.stop,
@@ -91,6 +93,18 @@ class _SamplingFields(BaseModel):
         except ValueError as e:
             field = str(e).split(":", 1)[0]
             raise ProtocolError(str(e), field if field in kwargs else None) from e
+
+    def _logit_bias(self) -> dict[int, float]:
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise ProtocolError(
+                    f"logit_bias: keys must be token ids, got {key!r}", "logit_bias"
+                ) from None
+            bias[token] = value
+        return bias
 
     @property
     def include_usage(self) -> bool:

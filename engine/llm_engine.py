@@ -182,6 +182,8 @@ class LLMEngine:
             not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids
         ):
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens leave no room to generate within "

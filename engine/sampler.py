@@ -1,9 +1,10 @@
-"""Turning a step's logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
+"""Turning a step's logits into tokens: greedy, temperature, top-k, top-p, min-p, per-request
+seeds, after the penalties of ``engine.penalties``.
 
 Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), which draws exactly
 from ``p`` and lets a seeded request draw its noise from its own generator, so its tokens do not
 depend on what else shares the batch. Logprobs are those of the model's raw distribution (before
-temperature and filters), as OpenAI and vLLM report them.
+penalties, temperature and filters), as OpenAI and vLLM report them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import native
+from engine.penalties import apply_penalties
 from engine.request import Request
 
 
@@ -36,8 +38,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """``logits [S, V]`` (any float dtype), one row per request, in the same order."""
         if self._plain_greedy(requests) and logits.device.type == "cpu":
-            # Greedy without logprobs or banned tokens: the argmax of the model-dtype logits is
-            # the argmax of their float32 copy (the conversion is exact), so skip the copy.
+            # Greedy without logprobs, penalties or banned tokens: the argmax of the model-dtype
+            # logits is the argmax of their float32 copy (the conversion is exact): no copy.
             tokens = native.argmax_rows(logits)
             return SamplerOutput(tokens.tolist(), [None] * len(requests))
         logits = logits.float()
@@ -45,7 +47,7 @@ class Sampler:
             logits = logits.cpu()
         params = [r.sampling_params for r in requests]
         raw = logits
-        logits = self._suppress_stops(logits, requests)
+        logits = self._suppress_stops(apply_penalties(logits, requests), requests)
 
         greedy = [p.greedy for p in params]
         tokens = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, requests, greedy)
@@ -71,7 +73,7 @@ class Sampler:
     def _plain_greedy(requests: list[Request]) -> bool:
         for r in requests:
             p = r.sampling_params
-            if not p.greedy or p.logprobs is not None:
+            if not p.greedy or p.logprobs is not None or p.adjusts_logits:
                 return False
             if r.num_output_tokens < p.min_tokens and (p.stop_token_ids or not p.ignore_eos):
                 return False
@@ -126,6 +128,11 @@ class Sampler:
             x = torch.empty_like(x).scatter_(1, order, sorted_x)
 
         probs = x.softmax(dim=-1)
+        min_ps = torch.tensor([p.min_p for p in params])
+        if (min_ps > 0).any():
+            # The most likely token always stays (its probability is the maximum).
+            floor = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
+            probs = probs.masked_fill(probs < floor, 0.0)
         noise = torch.empty_like(probs)
         for i, r in enumerate(requests):
             gen = r.generator if r.generator is not None else self.generator

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# OpenAI's ranges.
+MAX_ABS_PENALTY = 2.0
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
+    ``temperature == 0`` is greedy. ``top_k <= 0``, ``top_p == 1`` and ``min_p == 0`` disable
+    those filters (``min_p`` drops tokens less likely than ``min_p`` times the most likely one).
+    Before sampling (and before the greedy argmax) the logits are adjusted in this order:
+    ``logit_bias`` (token id -> added value); ``repetition_penalty`` on every token of the prompt
+    and the output (positive logits divided by it, negative ones multiplied); then
+    ``frequency_penalty`` times the token's count in the output and ``presence_penalty`` once if
+    it occurs there, both subtracted.
     ``logprobs=None`` returns none; ``logprobs=k`` returns the sampled token's log-probability and
     the ``k`` most likely alternatives (``k = 0``: the sampled token's only).
     """
@@ -20,6 +30,11 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     seed: int | None = None
     stop: list[str] | str | None = None
@@ -37,11 +52,15 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self.validate()
 
     def validate(self) -> None:
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_number(v: object) -> bool:
+            return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
@@ -55,6 +74,26 @@ class SamplingParams:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k):
             raise ValueError(f"top_k: must be an integer, got {self.top_k!r}")
+        if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_number(value) or not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+                raise ValueError(
+                    f"{name}: must be in [-{MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}], got {value!r}"
+                )
+        if not is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(
+                f"repetition_penalty: must be a positive number, got {self.repetition_penalty!r}"
+            )
+        for token, bias in self.logit_bias.items():
+            if not is_int(token) or token < 0:
+                raise ValueError(f"logit_bias: keys must be token ids >= 0, got {token!r}")
+            if not is_number(bias) or not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias: values must be in [-{MAX_ABS_LOGIT_BIAS}, "
+                    f"{MAX_ABS_LOGIT_BIAS}], got {bias!r}"
+                )
         if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
         if self.logprobs is not None and (
@@ -70,6 +109,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a bias changes the logits (and so can change a greedy pick)."""
+        return bool(
+            self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def stop_strings(self) -> list[str]:

@@ -67,8 +67,10 @@ def hf_greedy(
     max_new_tokens: int,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    **generate_kwargs: object,
 ) -> list[list[int]]:
-    """Reference greedy continuations from transformers, one prompt at a time (no padding)."""
+    """Reference greedy continuations from transformers, one prompt at a time (no padding);
+    ``generate_kwargs`` go to ``generate`` (logits processors such as ``repetition_penalty``)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
@@ -83,6 +85,7 @@ def hf_greedy(
                 min_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=0,
+                **generate_kwargs,
             )
             outs.append(gen[0, len(p) :].tolist())
     return outs

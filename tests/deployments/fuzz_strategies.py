@@ -52,8 +52,17 @@ sampling_fields = {
     "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
     "n": field(st.integers(min_value=0, max_value=3)),
     "priority": field(st.integers(min_value=-(2**40), max_value=2**40)),
-    "presence_penalty": field(st.floats(min_value=-2, max_value=2)),
-    "logit_bias": field(st.dictionaries(st.text(max_size=3), st.floats(-5, 5), max_size=2)),
+    "presence_penalty": field(st.floats(min_value=-3, max_value=3)),
+    "frequency_penalty": field(st.floats(min_value=-3, max_value=3)),
+    "repetition_penalty": field(st.floats(min_value=-1, max_value=3)),
+    "min_p": field(st.floats(min_value=-0.5, max_value=1.5)),
+    "logit_bias": field(
+        st.dictionaries(
+            st.one_of(st.text(max_size=3), st.integers(-5, 60000).map(str)),
+            st.floats(-150, 150),
+            max_size=3,
+        )
+    ),
     "user": field(st.text(max_size=8)),
     "unknown_field": json_values,
 }
@@ -118,6 +127,11 @@ valid_sampling = {
     "ignore_eos": st.booleans(),
     "priority": st.integers(min_value=-5, max_value=5),
     "user": st.text(max_size=5),
+    "presence_penalty": st.floats(min_value=-2, max_value=2),
+    "frequency_penalty": st.floats(min_value=-2, max_value=2),
+    "repetition_penalty": st.floats(min_value=0.5, max_value=2),
+    "min_p": st.floats(min_value=0, max_value=1),
+    "logit_bias": st.dictionaries(st.integers(0, 500).map(str), st.floats(-100, 100), max_size=3),
 }
 valid_completion = st.fixed_dictionaries(
     {

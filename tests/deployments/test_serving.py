@@ -207,6 +207,33 @@ INVALID = [
     ("completions", {"model": "tiny", "prompt": "hi", "logprobs": 99}, 400, "logprobs"),
     ("completions", {"model": "tiny", "prompt": "hi", "stop": [""]}, 400, "stop"),
     ("completions", ["not", "an", "object"], 400, None),
+    ("completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"5": 150}}, 400, "logit_bias"),
+    (
+        "chat",
+        {"model": "tiny", "messages": QUESTION, "logit_bias": {"49152": 1}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "chat",
+        {"model": "tiny", "messages": QUESTION, "presence_penalty": 3},
+        400,
+        "presence_penalty",
+    ),
+    (
+        "completions",
+        {"model": "tiny", "prompt": "hi", "frequency_penalty": -9},
+        400,
+        "frequency_penalty",
+    ),
+    (
+        "completions",
+        {"model": "tiny", "prompt": "hi", "repetition_penalty": 0},
+        400,
+        "repetition_penalty",
+    ),
+    ("completions", {"model": "tiny", "prompt": "hi", "min_p": 1.5}, 400, "min_p"),
 ]
 
 
@@ -220,6 +247,31 @@ def test_invalid_requests_get_openai_errors(base_url, endpoint, body, status, pa
     assert err["message"]
     if param is not None:
         assert err["param"] == param, err
+
+
+def test_penalties_and_logit_bias_reach_the_sampler(client: OpenAI) -> None:
+    """The official client's fields: a +100 bias makes greedy decoding repeat one token; a
+    frequency penalty then stops it repeating, so both were applied, per request."""
+    kwargs = dict(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0.0)
+    plain = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    favourite = 1000
+    biased = client.completions.create(
+        **kwargs, logit_bias={str(favourite): 100}, logprobs=0, extra_body={"ignore_eos": True}
+    )
+    assert biased.choices[0].logprobs.tokens == [biased.choices[0].logprobs.tokens[0]] * 6
+    assert biased.choices[0].text != plain.choices[0].text
+    penalized = client.completions.create(
+        **kwargs,
+        logit_bias={str(favourite): 100},
+        frequency_penalty=2.0,
+        extra_body={"ignore_eos": True, "repetition_penalty": 100.0},
+        logprobs=0,
+    )
+    tokens = penalized.choices[0].logprobs.tokens
+    assert tokens[0] == biased.choices[0].logprobs.tokens[0]
+    assert len(set(tokens)) > 1, tokens
+    again = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    assert again.choices[0].text == plain.choices[0].text
 
 
 def test_malformed_json_and_still_serving(base_url: str, client: OpenAI) -> None:

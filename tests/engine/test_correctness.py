@@ -151,3 +151,40 @@ def test_smollm2_chat_matches_transformers(smollm2_dir):
     assert out.token_ids == reference
     assert out.text == tok.decode(reference, skip_special_tokens=True)
     assert out.finish_reason == "length"
+
+
+def test_repetition_penalty_matches_transformers(tiny_llama, prompts, reference):
+    """transformers' RepetitionPenaltyLogitsProcessor is the reference: prompt and output tokens
+    are penalized. Plain greedy requests share the batch and stay as they were."""
+    penalized = hf_greedy(tiny_llama, prompts, MAX_NEW, repetition_penalty=1.8)
+    assert penalized != reference, "the penalty should change some continuation"
+    llm = LLM(model=str(tiny_llama), dtype="float32")
+    params = SamplingParams(
+        max_tokens=MAX_NEW, temperature=0.0, min_tokens=MAX_NEW, repetition_penalty=1.8
+    )
+    outs = llm.generate(prompts + prompts, [params] * len(prompts) + [greedy()] * len(prompts))
+    assert [o.token_ids for o in outs] == penalized + reference
+    pool = llm.engine.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_logit_bias_matches_transformers(tiny_llama, prompts, reference):
+    """logit_bias adds to the logits as transformers' sequence_bias does for one-token
+    sequences: the reference's favourite tokens pushed down, another pushed up."""
+    counts: dict[int, int] = {}
+    for tokens in reference:
+        for t in tokens:
+            counts[t] = counts.get(t, 0) + 1
+    favourites = sorted(counts, key=counts.__getitem__, reverse=True)[:3]
+    bias = {favourites[0]: -100.0, favourites[1]: -4.0, favourites[2]: 2.5, 7: 3.0}
+    biased = hf_greedy(
+        tiny_llama, prompts, MAX_NEW, sequence_bias={(t,): b for t, b in bias.items()}
+    )
+    assert biased != reference
+    assert all(favourites[0] not in tokens for tokens in biased)
+    llm = LLM(model=str(tiny_llama), dtype="float32")
+    params = SamplingParams(
+        max_tokens=MAX_NEW, temperature=0.0, min_tokens=MAX_NEW, logit_bias=bias
+    )
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == biased

@@ -164,6 +164,15 @@ def test_bad_sampling_params_name_the_field():
         SamplingParams(top_p=0.0)
 
 
+def test_logit_bias_beyond_the_vocabulary_is_rejected(llm):
+    vocab = llm.engine.model_cfg.vocab_size
+    with pytest.raises(ValueError, match="^logit_bias:"):
+        llm.generate([tokens(6, 3)], SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}))
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks
+    ok = SamplingParams(max_tokens=2, temperature=0.0, logit_bias={vocab - 1: 100.0})
+    assert llm.generate([tokens(6, 3)], ok)[0].token_ids == [vocab - 1, vocab - 1]
+
+
 def test_max_tokens_beyond_the_pool_is_rejected(tiny_llama):
     small = LLM(model=str(tiny_llama), dtype="float32", block_size=4, num_kv_blocks=8)
     with pytest.raises(ValueError, match="^prompt:.*KV blocks"):

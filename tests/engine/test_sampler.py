@@ -153,3 +153,27 @@ def test_logits_of_other_dtypes_are_accepted():
     logits = random_logits(2).to(torch.bfloat16)
     out = Sampler()(logits, [req(temperature=0.0), req(temperature=0.0)])
     assert out.token_ids == logits.float().argmax(-1).tolist()
+
+
+def test_penalties_change_a_greedy_pick_and_leave_logprobs_raw():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 4] = 2.0
+    logits[:, 6] = 1.5
+    repeated = req(temperature=0.0, presence_penalty=1.0, logprobs=0)
+    repeated.output_token_ids = [4]
+    out = Sampler()(logits, [repeated, req(temperature=0.0)])
+    assert out.token_ids == [6, 4]
+    assert out.logprobs[0].logprob == pytest.approx(torch.log_softmax(logits[0], -1)[6].item())
+    # A bias alone takes the greedy fast path's place as well.
+    assert Sampler()(logits[:1], [req(temperature=0.0, logit_bias={1: 3.0})]).token_ids == [1]
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_best():
+    # probs 0.5, 0.3, 0.15, 0.05: min_p=0.5 keeps tokens with p >= 0.25, the first two.
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+    out = Sampler(seed=0)(logits, [req(min_p=0.5) for _ in range(2000)])
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=4).tolist()
+    assert counts[2] == counts[3] == 0
+    assert chi_square(counts[:2], [0.5 / 0.8, 0.3 / 0.8]) < CHI2_CRIT[1]
+    # min_p=1 keeps only the most likely token.
+    assert set(Sampler(seed=1)(logits[:50], [req(min_p=1.0)] * 50).token_ids) == {0}

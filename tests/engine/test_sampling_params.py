@@ -29,6 +29,17 @@ from engine.sampling_params import MAX_LOGPROBS, SamplingParams
         ("stop", ["ok", 3]),
         ("stop_token_ids", [-1]),
         ("stop_token_ids", ["a"]),
+        ("min_p", -0.1),
+        ("min_p", 1.5),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.01),
+        ("frequency_penalty", float("nan")),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", float("inf")),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {"5": 1.0}),
+        ("logit_bias", {5: 101.0}),
+        ("logit_bias", {5: "high"}),
     ],
 )
 def test_bad_values_name_their_field(field, value):
@@ -54,3 +65,16 @@ def test_greedy_and_edges():
     assert not SamplingParams(temperature=0.7).greedy
     params = SamplingParams(top_p=1.0, top_k=-1, logprobs=MAX_LOGPROBS, seed=0, temperature=100)
     assert params.top_p == 1.0 and params.logprobs == MAX_LOGPROBS
+
+
+def test_adjusts_logits_only_when_a_penalty_or_bias_is_set():
+    assert not SamplingParams().adjusts_logits
+    assert not SamplingParams(min_p=0.5, top_k=3).adjusts_logits  # filters, not adjustments
+    assert not SamplingParams(logit_bias=None).adjusts_logits  # type: ignore[arg-type]
+    for change in (
+        {"presence_penalty": -0.5},
+        {"frequency_penalty": 2.0},
+        {"repetition_penalty": 1.1},
+        {"logit_bias": {3: -100}},
+    ):
+        assert SamplingParams(**change).adjusts_logits, change
