@@ -10,6 +10,9 @@ so nothing here has state to keep in step with preemption or aborts.
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 from engine.request import Request
@@ -17,54 +20,74 @@ from engine.request import Request
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """``logits [S, V]`` float32, one row per request; returns a new tensor when any row
-    changes, else ``logits`` itself."""
+    changes, else ``logits`` itself (which stays the raw logits, for logprobs).
+
+    Only the (row, token) entries concerned are read and written: one pass over ``[S, V]`` costs
+    about a millisecond at 64 rows, more than the adjustments themselves.
+    """
     rows = [i for i, r in enumerate(requests) if r.sampling_params.adjusts_logits]
     if not rows:
         return logits
-    logits = logits.clone()
     vocab = logits.shape[1]
-    chosen = [requests[i] for i in rows]
-    params = [r.sampling_params for r in chosen]
-    x = logits[rows]
+    out = logits.clone()
+    flat = out.view(-1)
 
-    bias_rows: list[int] = []
-    bias_cols: list[int] = []
-    bias_vals: list[float] = []
-    for row, p in enumerate(params):
-        for token, bias in p.logit_bias.items():
-            if token < vocab:
-                bias_rows.append(row)
-                bias_cols.append(token)
-                bias_vals.append(float(bias))
-    if bias_rows:
-        x.index_put_(
-            (torch.tensor(bias_rows), torch.tensor(bias_cols)),
-            torch.tensor(bias_vals, dtype=x.dtype),
-            accumulate=True,
+    bias = {
+        i * vocab + token: float(value)
+        for i in rows
+        for token, value in requests[i].sampling_params.logit_bias.items()
+        if token < vocab
+    }
+    if bias:
+        flat[torch.tensor(list(bias))] += torch.tensor(list(bias.values()), dtype=out.dtype)
+
+    repeated = [i for i in rows if requests[i].sampling_params.repetition_penalty != 1.0]
+    if repeated:
+        which, tokens, _ = distinct_tokens([requests[i].all_token_ids for i in repeated], vocab)
+        penalty = _per_row(requests, repeated, "repetition_penalty", out.dtype)[which]
+        index = torch.tensor(repeated)[which] * vocab + tokens
+        seen = flat[index]
+        flat[index] = torch.where(seen > 0, seen / penalty, seen * penalty)
+
+    counted = [
+        i
+        for i in rows
+        if requests[i].output_token_ids
+        and (
+            requests[i].sampling_params.frequency_penalty
+            or requests[i].sampling_params.presence_penalty
         )
-
-    if any(p.repetition_penalty != 1.0 for p in params):
-        seen = token_counts([r.all_token_ids for r in chosen], vocab) > 0
-        rep = torch.tensor([p.repetition_penalty for p in params], dtype=x.dtype)[:, None]
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-
-    if any(p.frequency_penalty or p.presence_penalty for p in params):
-        counts = token_counts([r.output_token_ids for r in chosen], vocab)
-        freq = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype)[:, None]
-        x = x - freq * counts - pres * (counts > 0).to(x.dtype)
-
-    logits[rows] = x
-    return logits
+    ]
+    if counted:
+        which, tokens, counts = distinct_tokens(
+            [requests[i].output_token_ids for i in counted], vocab
+        )
+        frequency = _per_row(requests, counted, "frequency_penalty", out.dtype)[which]
+        presence = _per_row(requests, counted, "presence_penalty", out.dtype)[which]
+        index = torch.tensor(counted)[which] * vocab + tokens
+        flat[index] -= frequency * counts.to(out.dtype) + presence
+    return out
 
 
-def token_counts(token_lists: list[list[int]], vocab: int) -> torch.Tensor:
-    """``[len(token_lists), vocab]`` float32: how often each token id occurs in each list."""
-    width = max((len(t) for t in token_lists), default=0)
-    counts = torch.zeros(len(token_lists), vocab)
-    if width == 0:
-        return counts
-    # Padding adds a weight of 0 to column 0.
-    ids = torch.tensor([t + [0] * (width - len(t)) for t in token_lists], dtype=torch.int64)
-    weights = torch.tensor([[1.0] * len(t) + [0.0] * (width - len(t)) for t in token_lists])
-    return counts.scatter_add_(1, ids, weights)
+def distinct_tokens(
+    token_lists: list[list[int]], vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct (list, token) pairs of ``token_lists``, sorted: each pair's list index,
+    token id and number of occurrences (int64 tensors of equal length).
+
+    Built through numpy: ``torch.tensor`` of a Python list costs ~0.15 us per element, ten times
+    ``np.fromiter``, and 64 long requests hold 10^5 tokens.
+    """
+    lengths = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
+    tokens = np.fromiter(
+        itertools.chain.from_iterable(token_lists), dtype=np.int64, count=int(lengths.sum())
+    )
+    keys = np.repeat(np.arange(len(token_lists), dtype=np.int64) * vocab, lengths) + tokens
+    distinct, counts = torch.unique(torch.from_numpy(keys), return_counts=True)
+    return distinct // vocab, distinct % vocab, counts
+
+
+def _per_row(
+    requests: list[Request], rows: list[int], name: str, dtype: torch.dtype
+) -> torch.Tensor:
+    return torch.tensor([getattr(requests[i].sampling_params, name) for i in rows], dtype=dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.penalties import apply_penalties, token_counts
+from engine.penalties import apply_penalties, distinct_tokens
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -19,14 +19,16 @@ def req(prompt: list[int], output: list[int], **params) -> Request:
     return request
 
 
-def test_token_counts_count_and_ignore_padding():
-    counts = token_counts([[1, 1, 3], [], [0]], VOCAB)
-    assert counts.tolist() == [
-        [0, 2, 0, 1, 0, 0, 0, 0],
-        [0] * 8,
-        [1, 0, 0, 0, 0, 0, 0, 0],
+def test_distinct_tokens_are_counted_per_list():
+    which, tokens, counts = distinct_tokens([[1, 1, 3], [], [7, 0, 7, 7]], VOCAB)
+    assert list(zip(which.tolist(), tokens.tolist(), counts.tolist(), strict=True)) == [
+        (0, 1, 2),
+        (0, 3, 1),
+        (2, 0, 1),
+        (2, 7, 3),
     ]
-    assert token_counts([], VOCAB).shape == (0, VOCAB)
+    which, tokens, counts = distinct_tokens([], VOCAB)
+    assert len(which) == len(tokens) == len(counts) == 0
 
 
 def test_no_adjustment_returns_the_same_tensor():
