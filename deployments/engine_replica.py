@@ -28,6 +28,7 @@ import ray
 from prometheus_client import Counter, Gauge
 from ray import serve
 
+from deployments.choices import choice_params, merge_streams
 from deployments.config import AppArgs
 from deployments.cpu_affinity import replica_engine_cpus
 from deployments.engine_request import EngineRequest, error_item
@@ -145,7 +146,7 @@ class EngineReplica:
         self._ensure_reporter()
         capacity = self.capacity
         # Checked and counted with no await in between: admission is atomic on the event loop.
-        if capacity is not None and self.num_admitted >= capacity:
+        if capacity is not None and self.num_admitted + req.n > capacity:
             self.rejected.labels(replica=self.replica_id).inc()
             yield error_item(
                 429,
@@ -155,12 +156,13 @@ class EngineReplica:
                 "overloaded",
             )
             return
-        self._set_admitted(self.num_admitted + 1)
+        # Each choice is a sequence of its own in the engine.
+        self._set_admitted(self.num_admitted + req.n)
         try:
             async for item in self._generate(req):
                 yield item
         finally:
-            self._set_admitted(self.num_admitted - 1)
+            self._set_admitted(self.num_admitted - req.n)
 
     def _set_admitted(self, n: int) -> None:
         self.num_admitted = n
@@ -183,7 +185,8 @@ class EngineReplica:
             return
         arrival = time.monotonic()
         first_at: float | None = None
-        last: RequestDelta | None = None
+        # Each choice's latest delta; a choice is finished when its latest delta is.
+        last: list[RequestDelta | None] = [None] * req.n
         timeout_s = req.timeout_s or self.args.limits.request_timeout_s
         before_add = None
         if self.kv_sharing is not None and req.block_hashes:
@@ -196,23 +199,31 @@ class EngineReplica:
                 def before_add(request: Any) -> None:
                     sharing.install(plan, request)
 
-        stream = self.async_engine.generate(
-            req.request_id,
-            req.prompt_token_ids,
-            params,
-            priority=req.priority,
-            coalesce_s=self.coalesce_s if req.stream else NON_STREAMING_COALESCE_S,
-            before_add=before_add,
-        )
+        streams = [
+            self.async_engine.generate(
+                req.request_id if req.n == 1 else f"{req.request_id}-{k}",
+                req.prompt_token_ids,
+                choice_params(params, k),
+                priority=req.priority,
+                coalesce_s=self.coalesce_s if req.stream else NON_STREAMING_COALESCE_S,
+                # The other choices find the imported blocks in the prefix cache.
+                before_add=before_add if k == 0 else None,
+            )
+            for k in range(req.n)
+        ]
+        merged = merge_streams(streams)
         try:
             async with asyncio.timeout(timeout_s):
-                async for batch in stream:
+                async for index, batch in merged:
                     if first_at is None:
                         first_at = time.monotonic()
-                    last = batch[-1]
-                    yield self._item(batch)
+                    last[index] = batch[-1]
+                    done = all(d is not None and d.finished for d in last)
+                    yield self._item(batch, index, done)
         except TimeoutError:
-            yield self._timeout_item(req, last)
+            unfinished = [k for k, d in enumerate(last) if d is None or not d.finished]
+            for k in unfinished:
+                yield self._timeout_item(req, last[k], k, done=k == unfinished[-1])
         except ValueError as e:
             yield error_item(400, str(e), "invalid_request_error")
         except EngineDeadError as e:
@@ -222,13 +233,18 @@ class EngineReplica:
             logger.exception("request %s failed", req.request_id)
             yield error_item(500, f"internal error: {type(e).__name__}", "internal_error")
         finally:
-            await stream.aclose()
-            if last is not None and last.finished and first_at is not None:
-                n = last.num_output_tokens
-                tpot = (time.monotonic() - first_at) / (n - 1) if n > 1 else None
-                self.metrics.observe_request(first_at - arrival, tpot)
+            await merged.aclose()
+            for stream in streams:
+                await stream.aclose()
+            for delta in last:
+                if delta is not None and delta.finished and first_at is not None:
+                    n = delta.num_output_tokens
+                    tpot = (time.monotonic() - first_at) / (n - 1) if n > 1 else None
+                    self.metrics.observe_request(first_at - arrival, tpot)
 
-    def _item(self, batch: list[RequestDelta]) -> dict[str, Any]:
+    def _item(self, batch: list[RequestDelta], index: int = 0, done: bool = True) -> dict[str, Any]:
+        """One stream item: choice ``index``'s new tokens; ``finished`` ends the choice, ``done``
+        the whole request (every choice finished)."""
         last = batch[-1]
         logprobs = None
         if any(d.logprobs for d in batch):
@@ -237,9 +253,11 @@ class EngineReplica:
             ]
         return {
             "replica_id": self.replica_id,
+            "index": index,
             "token_ids": [t for d in batch for t in d.new_token_ids],
             "text": "".join(d.new_text for d in batch),
             "finished": last.finished,
+            "done": last.finished and done,
             "finish_reason": last.finish_reason,
             "stop_reason": last.stop_reason,
             "prompt_tokens": last.num_prompt_tokens,
@@ -249,12 +267,16 @@ class EngineReplica:
             "logprobs": logprobs,
         }
 
-    def _timeout_item(self, req: EngineRequest, last: RequestDelta | None) -> dict[str, Any]:
+    def _timeout_item(
+        self, req: EngineRequest, last: RequestDelta | None, index: int = 0, done: bool = True
+    ) -> dict[str, Any]:
         return {
             "replica_id": self.replica_id,
+            "index": index,
             "token_ids": [],
             "text": "",
             "finished": True,
+            "done": done,
             "finish_reason": "timeout",
             "stop_reason": None,
             "prompt_tokens": len(req.prompt_token_ids),

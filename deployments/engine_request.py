@@ -23,6 +23,9 @@ class EngineRequest:
     timeout_s: float | None = None
     # False when the client waits for the whole answer: the replica then sends few, large items.
     stream: bool = True
+    # Choices (OpenAI's n): engine requests sharing the prompt, streamed as one, items tagged
+    # with their ``index``.
+    n: int = 1
 
 
 def error_item(status: int, message: str, type_: str, code: str | None = None) -> dict[str, Any]:

@@ -446,7 +446,7 @@ class Ingress:
         self._check_lengths(prompt_ids, params.max_tokens, "max_tokens")
         self._check_logit_bias(params)
         builder = ResponseBuilder(
-            "completion", f"cmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer
+            "completion", f"cmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, req.n
         )
         return await self._generate(req, prompt_ids, params, builder)
 
@@ -467,7 +467,7 @@ class Ingress:
         self._check_lengths(prompt_ids, params.max_tokens, param)
         self._check_logit_bias(params)
         builder = ResponseBuilder(
-            "chat", f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer
+            "chat", f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, req.n
         )
         return await self._generate(req, prompt_ids, params, builder)
 
@@ -530,6 +530,7 @@ class Ingress:
             priority=req.priority,
             timeout_s=self.args.limits.request_timeout_s,
             stream=bool(req.stream),
+            n=req.n,
         )
         # No await between the check above and this count: admission is atomic.
         self.set_in_flight(self.inflight + 1)
@@ -601,7 +602,7 @@ class Ingress:
 
     async def _collect(self, stream: Any, first: dict[str, Any]) -> list[dict[str, Any]]:
         items = [first]
-        while not items[-1]["finished"]:
+        while not items[-1]["done"]:
             items.append(await self._next_item(stream))
         return items
 
@@ -610,15 +611,16 @@ class Ingress:
     ) -> AsyncIterator[bytes]:
         try:
             if builder.chat:
-                yield sse(builder.role_chunk())
+                for index in range(builder.n):
+                    yield sse(builder.role_chunk(index))
             item = first
             while True:
                 if item["text"] or item["finished"] or item.get("logprobs"):
                     yield sse(builder.chunk(item))
-                if item["finished"]:
+                if item["done"]:
                     lease.finished = True
                     if include_usage:
-                        yield sse(builder.usage_chunk(item))
+                        yield sse(builder.usage_chunk())
                     break
                 try:
                     item = await self._next_item(lease.stream)

@@ -21,33 +21,41 @@ def sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-def usage(item: dict[str, Any]) -> dict[str, Any]:
-    prompt, completion = item["prompt_tokens"], item["completion_tokens"]
+def usage(lasts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Usage from each choice's final item: the prompt counted once (as OpenAI does), the
+    completions summed; cached tokens are the first choice's."""
+    prompt = lasts[0]["prompt_tokens"]
+    completion = sum(item["completion_tokens"] for item in lasts)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": item["cached_tokens"]},
+        "prompt_tokens_details": {"cached_tokens": lasts[0]["cached_tokens"]},
     }
 
 
 class ResponseBuilder:
-    """Shapes one request's items into OpenAI chat or completion objects."""
+    """Shapes one request's items into OpenAI chat or completion objects, ``n`` choices each.
 
-    def __init__(self, kind: str, request_id: str, model: str, tokenizer: Any) -> None:
+    Items carry their choice's ``index``; per choice the builder keeps the text offset of
+    completion logprobs and the latest item (for usage)."""
+
+    def __init__(self, kind: str, request_id: str, model: str, tokenizer: Any, n: int = 1) -> None:
         self.chat = kind == "chat"
         self.id = request_id
         self.model = model
         self.created = int(time.time())
         self.tokenizer = tokenizer
-        self.text_offset = 0
+        self.n = n
+        self.text_offsets = [0] * n
+        self.lasts: list[dict[str, Any] | None] = [None] * n
 
     def _token_str(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"<{token_id}>"
         return self.tokenizer.decode([token_id])
 
-    def logprobs(self, raw: list | None) -> dict[str, Any] | None:
+    def logprobs(self, raw: list | None, index: int = 0) -> dict[str, Any] | None:
         if raw is None:
             return None
         if self.chat:
@@ -76,8 +84,8 @@ class ResponseBuilder:
             tokens.append(tok)
             token_logprobs.append(logprob)
             tops.append({self._token_str(t): lp for t, lp in top} if top else None)
-            offsets.append(self.text_offset)
-            self.text_offset += len(tok)
+            offsets.append(self.text_offsets[index])
+            self.text_offsets[index] += len(tok)
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
@@ -93,11 +101,11 @@ class ResponseBuilder:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     # -- streaming -------------------------------------------------------------------------------
-    def role_chunk(self) -> dict[str, Any]:
+    def role_chunk(self, index: int = 0) -> dict[str, Any]:
         body = self._head(True)
         body["choices"] = [
             {
-                "index": 0,
+                "index": index,
                 "delta": {"role": "assistant", "content": ""},
                 "logprobs": None,
                 "finish_reason": None,
@@ -106,49 +114,61 @@ class ResponseBuilder:
         return body
 
     def chunk(self, item: dict[str, Any]) -> dict[str, Any]:
+        index = item.get("index", 0)
+        self.lasts[index] = item
         body = self._head(True)
         finish = item["finish_reason"] if item["finished"] else None
-        lp = self.logprobs(item.get("logprobs"))
+        lp = self.logprobs(item.get("logprobs"), index)
         if self.chat:
             delta = {"content": item["text"]} if item["text"] or not item["finished"] else {}
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": item["text"], "logprobs": lp, "finish_reason": finish}
+            choice = {"index": index, "text": item["text"], "logprobs": lp, "finish_reason": finish}
         if item["finished"]:
             choice["stop_reason"] = item.get("stop_reason")
         body["choices"] = [choice]
         return body
 
-    def usage_chunk(self, last: dict[str, Any]) -> dict[str, Any]:
+    def usage_chunk(self) -> dict[str, Any]:
+        """After every choice's final chunk."""
         body = self._head(True)
         body["choices"] = []
-        body["usage"] = usage(last)
+        body["usage"] = usage([last for last in self.lasts if last is not None])
         return body
 
     # -- whole response --------------------------------------------------------------------------
     def full(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        """The whole response from every item of every choice, in arrival order."""
+        body = self._head(False)
+        body["choices"] = [
+            self._choice(index, [i for i in items if i.get("index", 0) == index])
+            for index in range(self.n)
+        ]
+        body["usage"] = usage(
+            [[i for i in items if i.get("index", 0) == k][-1] for k in range(self.n)]
+        )
+        return body
+
+    def _choice(self, index: int, items: list[dict[str, Any]]) -> dict[str, Any]:
         last = items[-1]
         text = "".join(i["text"] for i in items)
         raw_lp = None
         if any(i.get("logprobs") for i in items):
             raw_lp = [x for i in items for x in (i.get("logprobs") or [])]
-        body = self._head(False)
-        lp = self.logprobs(raw_lp)
+        lp = self.logprobs(raw_lp, index)
         if self.chat:
             choice = {
-                "index": 0,
+                "index": index,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": lp,
                 "finish_reason": last["finish_reason"],
             }
         else:
             choice = {
-                "index": 0,
+                "index": index,
                 "text": text,
                 "logprobs": lp,
                 "finish_reason": last["finish_reason"],
             }
         choice["stop_reason"] = last.get("stop_reason")
-        body["choices"] = [choice]
-        body["usage"] = usage(last)
-        return body
+        return choice

@@ -1,7 +1,7 @@
 """OpenAI-compatible request schemas (pydantic) and their mapping onto SamplingParams.
 
 Unknown fields are ignored, as OpenAI's own API and vLLM do, so that any client works; fields we
-know but do not implement (``n > 1``, ``echo``, tools) are rejected with a 400 naming the
+know but do not implement (``echo``, ``best_of``, tools) are rejected with a 400 naming the
 field rather than silently ignored. ``logit_bias`` keys are token ids written as strings, as
 OpenAI's API sends them.
 """
@@ -13,6 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+# Choices per request (OpenAI allows 128; each choice is a sequence in the engine's batch).
+MAX_N = 16
 
 
 class ProtocolError(ValueError):
@@ -56,8 +59,8 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: StrictBool = False
 
     def _check_unsupported(self) -> None:
-        if self.n != 1:
-            raise ProtocolError("n: only n=1 is supported", "n")
+        if not 1 <= self.n <= MAX_N:
+            raise ProtocolError(f"n: must be in [1, {MAX_N}]", "n")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError(
                 "stream_options: only allowed when stream is true", "stream_options"

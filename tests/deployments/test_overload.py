@@ -258,7 +258,8 @@ def test_request_timeout_ends_with_finish_reason_timeout(base_url: str) -> None:
 
             async def whole() -> tuple[httpx.Response, float]:
                 start = time.monotonic()
-                r = await client.post("/v1/completions", json=body)
+                # Two choices: each times out and is aborted.
+                r = await client.post("/v1/completions", json={**body, "n": 2})
                 return r, time.monotonic() - start
 
             async def streamed() -> list[Any]:
@@ -268,13 +269,15 @@ def test_request_timeout_ends_with_finish_reason_timeout(base_url: str) -> None:
                     assert s.status_code == 200
                     return sse_payloads([line async for line in s.aiter_lines()])
 
-            (r, elapsed), events = await asyncio.gather(whole(), streamed())
+            # One after the other: the two choices fill the replica's capacity.
+            r, elapsed = await whole()
+            events = await streamed()
             return r, elapsed, events
 
     r, elapsed, events = asyncio.run(run())
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["finish_reason"] == "timeout"
-    assert 0 < r.json()["usage"]["completion_tokens"] < LONG_TOKENS
+    assert [c["finish_reason"] for c in r.json()["choices"]] == ["timeout", "timeout"]
+    assert 0 < r.json()["usage"]["completion_tokens"] < 2 * LONG_TOKENS
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + 10
     assert events[-1] == "[DONE]"
     reasons = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]

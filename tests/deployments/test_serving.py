@@ -147,7 +147,8 @@ def test_logprobs(client: OpenAI) -> None:
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)
 
 
-def test_disconnect_aborts_and_frees_blocks(base_url: str) -> None:
+@pytest.mark.parametrize("n", [1, 3])
+def test_disconnect_aborts_and_frees_blocks(base_url: str, n: int) -> None:
     before = metrics(base_url)
     body = {
         "model": "tiny",
@@ -156,6 +157,7 @@ def test_disconnect_aborts_and_frees_blocks(base_url: str) -> None:
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        "n": n,
     }
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
@@ -175,7 +177,7 @@ def test_disconnect_aborts_and_frees_blocks(base_url: str) -> None:
         )
         running = total(m, "prefixserve_num_requests_running")
         usage = total(m, "prefixserve_kv_cache_usage_ratio")
-        if aborted >= 1 and running == 0 and usage == 0:
+        if aborted >= n and running == 0 and usage == 0:
             break
         assert time.monotonic() < deadline, (
             f"not aborted: aborted={aborted} running={running} usage={usage}"
@@ -189,7 +191,8 @@ INVALID = [
     ("chat", {"model": "tiny", "messages": "hello"}, 400, "messages"),
     ("chat", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     ("chat", {"model": "other", "messages": QUESTION}, 400, "model"),
-    ("chat", {"model": "tiny", "messages": QUESTION, "n": 3}, 400, "n"),
+    ("chat", {"model": "tiny", "messages": QUESTION, "n": 0}, 400, "n"),
+    ("completions", {"model": "tiny", "prompt": "hi", "n": 17}, 400, "n"),
     (
         "chat",
         {"model": "tiny", "messages": QUESTION, "max_completion_tokens": 0},
@@ -247,6 +250,50 @@ def test_invalid_requests_get_openai_errors(base_url, endpoint, body, status, pa
     assert err["message"]
     if param is not None:
         assert err["param"] == param, err
+
+
+def test_n_choices_streamed_and_not(client: OpenAI) -> None:
+    """n choices come back with indexes 0..n-1; seeded choices are reproducible (choice 0 is
+    the n=1 answer, the others differ), streamed or not; usage counts the prompt once."""
+    kwargs = dict(
+        model="tiny",
+        messages=QUESTION,
+        max_tokens=8,
+        temperature=1.0,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.chat.completions.create(**kwargs, n=3)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    texts = [c.message.content for c in full.choices]
+    assert len(set(texts)) > 1, texts
+    assert all(c.finish_reason == "length" for c in full.choices)
+    assert full.usage.completion_tokens == 3 * 8
+    single = client.chat.completions.create(**kwargs)
+    assert single.choices[0].message.content == texts[0]
+    assert full.usage.prompt_tokens == single.usage.prompt_tokens
+
+    chunks = list(
+        client.chat.completions.create(
+            **kwargs, n=3, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    streamed = ["", "", ""]
+    finishes = [None, None, None]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert streamed == texts
+    assert finishes == ["length"] * 3
+    assert chunks[-1].usage.completion_tokens == 3 * 8
+
+    completion = client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=4, temperature=0.0, n=2
+    )
+    assert [c.index for c in completion.choices] == [0, 1]
+    assert completion.choices[0].text == completion.choices[1].text  # greedy: the same
 
 
 def test_penalties_and_logit_bias_reach_the_sampler(client: OpenAI) -> None:

@@ -1,0 +1,144 @@
+"""Several choices of one request, without a cluster: their seeds, the merged stream, and the
+OpenAI bodies built from interleaved items."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from deployments.choices import choice_params, merge_streams
+from deployments.openai_format import ResponseBuilder
+from engine.sampling_params import SamplingParams
+
+
+def test_choice_seeds_differ_and_unseeded_choices_share_params():
+    seeded = SamplingParams(seed=7, temperature=0.8)
+    assert [choice_params(seeded, k).seed for k in range(3)] == [7, 8, 9]
+    assert choice_params(seeded, 2).temperature == 0.8
+    assert seeded.seed == 7  # not modified
+    unseeded = SamplingParams()
+    assert choice_params(unseeded, 3) is unseeded
+
+
+class Source:
+    """An async stream that yields its items with pauses, and records whether it was closed."""
+
+    def __init__(self, items: list[Any], delay: float, fail: Exception | None = None) -> None:
+        self.items, self.delay, self.fail = items, delay, fail
+        self.closed = False
+
+    async def run(self) -> AsyncIterator[Any]:
+        try:
+            for item in self.items:
+                await asyncio.sleep(self.delay)
+                yield item
+            if self.fail is not None:
+                raise self.fail
+        finally:
+            self.closed = True
+
+
+async def collect(stream: AsyncIterator[Any], limit: int | None = None) -> list[Any]:
+    out = []
+    async for x in stream:
+        out.append(x)
+        if limit is not None and len(out) == limit:
+            break
+    return out
+
+
+def test_merge_interleaves_every_item_and_ends_after_the_last_stream():
+    fast, slow = Source(["a1", "a2", "a3"], 0.001), Source(["b1", "b2"], 0.02)
+    out = asyncio.run(collect(merge_streams([fast.run(), slow.run()])))
+    assert sorted(out) == [(0, "a1"), (0, "a2"), (0, "a3"), (1, "b1"), (1, "b2")]
+    assert out[:3] == [(0, "a1"), (0, "a2"), (0, "a3")]  # in arrival order, not by stream
+    assert [x for k, x in out if k == 1] == ["b1", "b2"]
+    assert fast.closed and slow.closed
+
+
+def test_leaving_early_closes_every_stream():
+    sources = [Source(list(range(100)), 0.001) for _ in range(3)]
+
+    async def run() -> list[Any]:
+        merged = merge_streams([s.run() for s in sources])
+        out = await collect(merged, limit=4)
+        await merged.aclose()
+        return out
+
+    assert len(asyncio.run(run())) == 4
+    assert all(s.closed for s in sources)
+
+
+def test_an_error_in_one_stream_ends_the_merge_and_closes_the_others():
+    broken = Source(["x"], 0.001, fail=ValueError("prompt: bad"))
+    other = Source(list(range(100)), 0.01)
+
+    async def run() -> None:
+        merged = merge_streams([broken.run(), other.run()])
+        try:
+            await collect(merged)
+        finally:
+            await merged.aclose()
+
+    with pytest.raises(ValueError, match="prompt: bad"):
+        asyncio.run(run())
+    assert other.closed
+
+
+def test_a_single_stream_passes_straight_through():
+    source = Source(["only"], 0.0)
+    assert asyncio.run(collect(merge_streams([source.run()]))) == [(0, "only")]
+
+
+def item(index: int, text: str, completion: int, finished: bool = False, **extra) -> dict:
+    return {
+        "index": index,
+        "text": text,
+        "finished": finished,
+        "finish_reason": "length" if finished else None,
+        "stop_reason": None,
+        "prompt_tokens": 5,
+        "completion_tokens": completion,
+        "cached_tokens": 4 - index,
+        "logprobs": extra.get("logprobs"),
+    }
+
+
+INTERLEAVED = [
+    item(1, "Hel", 1, logprobs=[(10, -0.5, [])]),
+    item(0, "A", 1, logprobs=[(11, -0.1, [])]),
+    item(1, "lo", 2, finished=True, logprobs=[(12, -0.2, [])]),
+    item(0, "B", 3, finished=True, logprobs=[(13, -0.3, []), (14, -0.4, [])]),
+]
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_full_response_has_one_choice_per_index_and_summed_usage(kind):
+    builder = ResponseBuilder(kind, "id-1", "tiny", None, n=2)
+    body = builder.full(INTERLEAVED)
+    choices = body["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    texts = [c["message"]["content"] if kind == "chat" else c["text"] for c in choices]
+    assert texts == ["AB", "Hello"]
+    assert all(c["finish_reason"] == "length" for c in choices)
+    assert body["usage"]["prompt_tokens"] == 5  # once, not per choice
+    assert body["usage"]["completion_tokens"] == 3 + 2
+    assert body["usage"]["total_tokens"] == 10
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 4
+    if kind == "completion":
+        # Text offsets count within each choice.
+        assert choices[0]["logprobs"]["text_offset"] == [0, 4, 8]
+        assert choices[1]["logprobs"]["text_offset"] == [0, 4]
+
+
+def test_streamed_chunks_carry_their_index_and_usage_sums_the_choices():
+    builder = ResponseBuilder("chat", "id-2", "tiny", None, n=2)
+    assert [builder.role_chunk(k)["choices"][0]["index"] for k in range(2)] == [0, 1]
+    chunks = [builder.chunk(i) for i in INTERLEAVED]
+    assert [c["choices"][0]["index"] for c in chunks] == [1, 0, 1, 0]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length", "length"]
+    usage = builder.usage_chunk()["usage"]
+    assert usage["completion_tokens"] == 5 and usage["prompt_tokens"] == 5
