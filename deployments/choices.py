@@ -28,25 +28,27 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
     """``(stream index, item)`` as items arrive on any stream, until every stream ends.
 
     The first exception from any stream is raised here. However the iteration ends, every
-    stream is closed (an engine stream aborts its request when closed early).
+    stream is closed (an engine stream aborts its request when closed early); a merge never
+    started has started no stream.
     """
-    if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
-        return
-    queue: asyncio.Queue[tuple[int, object, BaseException | None]] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncIterator[T]) -> None:
-        try:
-            async for item in stream:
-                queue.put_nowait((index, item, None))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((index, None, e))
-        else:
-            queue.put_nowait((index, _END, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    tasks: list[asyncio.Task[None]] = []
     try:
+        if len(streams) == 1:
+            async for item in streams[0]:
+                yield 0, item
+            return
+        queue: asyncio.Queue[tuple[int, object, BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, stream: AsyncIterator[T]) -> None:
+            try:
+                async for item in stream:
+                    queue.put_nowait((index, item, None))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((index, None, e))
+            else:
+                queue.put_nowait((index, _END, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         running = len(streams)
         while running:
             index, item, error = await queue.get()

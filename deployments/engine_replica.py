@@ -234,8 +234,6 @@ class EngineReplica:
             yield error_item(500, f"internal error: {type(e).__name__}", "internal_error")
         finally:
             await merged.aclose()
-            for stream in streams:
-                await stream.aclose()
             for delta in last:
                 if delta is not None and delta.finished and first_at is not None:
                     n = delta.num_output_tokens

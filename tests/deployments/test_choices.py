@@ -62,35 +62,41 @@ def test_merge_interleaves_every_item_and_ends_after_the_last_stream():
 def test_leaving_early_closes_every_stream():
     sources = [Source(list(range(100)), 0.001) for _ in range(3)]
 
-    async def run() -> list[Any]:
+    async def run() -> tuple[list[Any], bool]:
         merged = merge_streams([s.run() for s in sources])
         out = await collect(merged, limit=4)
         await merged.aclose()
-        return out
+        return out, all(s.closed for s in sources)
 
-    assert len(asyncio.run(run())) == 4
-    assert all(s.closed for s in sources)
+    out, closed = asyncio.run(run())
+    assert len(out) == 4 and closed
 
 
 def test_an_error_in_one_stream_ends_the_merge_and_closes_the_others():
     broken = Source(["x"], 0.001, fail=ValueError("prompt: bad"))
     other = Source(list(range(100)), 0.01)
 
-    async def run() -> None:
+    async def run() -> bool:
         merged = merge_streams([broken.run(), other.run()])
-        try:
+        with pytest.raises(ValueError, match="prompt: bad"):
             await collect(merged)
-        finally:
-            await merged.aclose()
+        return other.closed
 
-    with pytest.raises(ValueError, match="prompt: bad"):
-        asyncio.run(run())
-    assert other.closed
+    assert asyncio.run(run())
 
 
-def test_a_single_stream_passes_straight_through():
+def test_a_single_stream_passes_straight_through_and_is_closed_when_left():
     source = Source(["only"], 0.0)
     assert asyncio.run(collect(merge_streams([source.run()]))) == [(0, "only")]
+    left = Source(["a", "b", "c"], 0.0)
+
+    async def run() -> tuple[list[Any], bool]:
+        merged = merge_streams([left.run()])
+        out = await collect(merged, limit=1)
+        await merged.aclose()
+        return out, left.closed  # before asyncio.run closes leftover generators itself
+
+    assert asyncio.run(run()) == ([(0, "a")], True)
 
 
 def item(index: int, text: str, completion: int, finished: bool = False, **extra) -> dict:
