@@ -3,6 +3,7 @@
     python -m benchmarks.offline                      # W1 in bf16 and fp32, plus transformers
     python -m benchmarks.offline --workload all       # W1, batch-1 decode latency and W2
     python -m benchmarks.offline --dtype bfloat16 --skip-hf --repeat 3
+    python -m benchmarks.offline --dtype float32 --skip-hf --sampling-opt repetition_penalty=1.1
 
 Every run is greedy with ``ignore_eos`` so each request produces exactly ``max_tokens`` tokens.
 Prints output tokens/s per run (best and median over ``--repeat``), the ratios, and one JSON line
@@ -55,10 +56,11 @@ class Timing:
         }
 
 
-def greedy(max_tokens: int) -> Any:
+def greedy(max_tokens: int, **options: Any) -> Any:
+    """Greedy with ``ignore_eos``; ``options`` are further SamplingParams fields (penalties)."""
     from engine import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **options)
 
 
 def make_llm(model: str, dtype: str, prefix_caching: bool, extra: dict[str, Any]) -> Any:
@@ -67,11 +69,13 @@ def make_llm(model: str, dtype: str, prefix_caching: bool, extra: dict[str, Any]
     return LLM(model=model, dtype=dtype, enable_prefix_caching=prefix_caching, **extra)
 
 
-def run_ours(llm: Any, workload: wl.Workload, repeat: int) -> Timing:
+def run_ours(
+    llm: Any, workload: wl.Workload, repeat: int, sampling: dict[str, Any] | None = None
+) -> Timing:
     """Time ``llm.generate`` on the workload. With prefix caching, the cache is reset between
     repeats by a fresh salt so every repeat pays for the shared prefix once."""
     timing = Timing(workload.num_output_tokens)
-    params = greedy(workload.max_tokens)
+    params = greedy(workload.max_tokens, **(sampling or {}))
     for _ in range(repeat):
         reset_prefix_cache(llm)
         start, cpu = time.perf_counter(), time.process_time()
@@ -97,14 +101,14 @@ def reset_prefix_cache(llm: Any) -> None:
     llm.engine.hash_salt = f"{llm.engine.hash_salt}#{time.perf_counter_ns()}"
 
 
-def run_batch1(llm: Any, repeat: int) -> dict[str, Any]:
+def run_batch1(llm: Any, repeat: int, sampling: dict[str, Any] | None = None) -> dict[str, Any]:
     """ms per output token after the first, from ``t(128 tokens) - t(1 token)``."""
     work = wl.batch1()
     full, first = [], []
     for _ in range(repeat):
         for max_tokens, sink in ((1, first), (work.max_tokens, full)):
             start = time.perf_counter()
-            llm.generate(work.prompts, greedy(max_tokens))
+            llm.generate(work.prompts, greedy(max_tokens, **(sampling or {})))
             sink.append(time.perf_counter() - start)
     per_token = [(f - min(first)) / (work.max_tokens - 1) * 1000 for f in full]
     return {
@@ -159,8 +163,8 @@ def run_hf(
 
 
 def parse_engine_opts(options: list[str]) -> dict[str, Any]:
-    """``--engine-opt KEY=VALUE`` flags as EngineConfig keyword arguments; a value is read as
-    JSON when it parses (numbers, booleans), else kept as a string."""
+    """``KEY=VALUE`` flags (``--engine-opt``, ``--sampling-opt``) as keyword arguments; a value
+    is read as JSON when it parses (numbers, booleans, objects), else kept as a string."""
     extra: dict[str, Any] = {}
     for opt in options:
         key, _, value = opt.partition("=")
@@ -214,6 +218,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="extra EngineConfig option (repeatable), value parsed as JSON when possible",
     )
     ap.add_argument(
+        "--sampling-opt",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra SamplingParams field for our engine (repeatable), e.g. repetition_penalty=1.1",
+    )
+    ap.add_argument(
         "--serve",
         action="store_true",
         help="stay loaded (one --dtype) and run workloads named on stdin, for compare_vllm",
@@ -222,6 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     extra = parse_engine_opts(args.engine_opt)
+    sampling = parse_engine_opts(args.sampling_opt)
 
     from engine.model.loader import resolve_model
 
@@ -239,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "num_prompts": args.num_prompts,
         "engine_opts": extra,
+        "sampling_opts": sampling,
     }
     for dtype in dtypes:
         for name in workloads:
@@ -247,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             llm = make_llm(model_dir, dtype, caching, extra)
             llm.generate(wl.warmup().prompts, greedy(wl.warmup().max_tokens))
             if name == "batch1":
-                results[key] = run_batch1(llm, args.repeat)
+                results[key] = run_batch1(llm, args.repeat, sampling)
                 print(
                     f"{key:>18}: {results[key]['ms_per_token_best']:.2f} ms/token (best), "
                     f"{results[key]['ms_per_token_median']:.2f} (median)",
@@ -255,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 )
             else:
                 work = wl.w1(args.num_prompts) if name == "w1" else wl.w2(args.num_prompts)
-                timing = run_ours(llm, work, args.repeat)
+                timing = run_ours(llm, work, args.repeat, sampling)
                 results[key] = timing.summary()
                 print(
                     f"{key:>18}: {timing.best_tps:8.1f} tok/s best, {timing.median_tps:8.1f} median",
