@@ -189,7 +189,8 @@ class EngineReplica:
         last: list[RequestDelta | None] = [None] * req.n
         timeout_s = req.timeout_s or self.args.limits.request_timeout_s
         before_add = None
-        if self.kv_sharing is not None and req.block_hashes:
+        # Imported KV, like cached KV, has no logits: prompt logprobs compute the whole prompt.
+        if self.kv_sharing is not None and req.block_hashes and params.prompt_logprobs is None:
             plan = await _detached(
                 self.kv_sharing.plan_import(len(req.prompt_token_ids), req.block_hashes)
             )
@@ -249,6 +250,12 @@ class EngineReplica:
             logprobs = [
                 (lp.token_id, lp.logprob, lp.top) for d in batch for lp in (d.logprobs or [])
             ]
+        scored = next((d.prompt_logprobs for d in batch if d.prompt_logprobs), None)
+        prompt_logprobs = (
+            None
+            if scored is None
+            else [None if e is None else (e.token_id, e.logprob, e.top) for e in scored]
+        )
         return {
             "replica_id": self.replica_id,
             "index": index,
@@ -263,6 +270,7 @@ class EngineReplica:
             "cached_tokens": last.num_cached_tokens,
             "remote_cached_tokens": last.num_remote_cached_tokens,
             "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
         }
 
     def _timeout_item(

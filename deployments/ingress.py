@@ -23,8 +23,8 @@ import json
 import logging
 import uuid
 import weakref
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,15 +39,17 @@ from prometheus_client import (
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.exceptions import RayActorError
+from ray.serve import context as serve_context
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from deployments.choices import merge_streams
 from deployments.config import AppArgs
 from deployments.engine_request import EngineRequest
 from deployments.metrics import render
-from deployments.openai_format import ResponseBuilder, error_body, sse
+from deployments.openai_format import Echo, ResponseBuilder, error_body, sse
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
 from engine.block_hash import compute_block_hashes
 from engine.model.config import model_config_from_hf
@@ -55,6 +57,7 @@ from engine.model.loader import load_hf_config, load_tokenizer, resolve_model
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
+T = TypeVar("T")
 
 app = FastAPI(title="prefixserve", docs_url=None, redoc_url=None)
 
@@ -174,26 +177,29 @@ class IngressMetrics:
 
 
 class _Lease:
-    """A request's slot in the ingress's in-flight count and its engine stream.
+    """A request's slot in the ingress's in-flight count and its engine streams (one per
+    prompt).
 
     ``release`` is idempotent and runs exactly once in effect: from the route when the response
     is complete, else from the SSE generator's ``finally`` or the streaming response's own
     ``finally`` (which also covers a client gone before the generator started), or at worst when
-    the response object is collected. An unfinished engine stream is cancelled, so the engine
-    aborts the request and frees its blocks."""
+    the response object is collected. A stream that has not delivered its final item is
+    cancelled, so the engine aborts the request and frees its blocks."""
 
-    def __init__(self, ingress: "Ingress") -> None:
+    def __init__(self, ingress: "Ingress", num_streams: int = 1) -> None:
         self.ingress = ingress
-        self.stream: Any = None
-        self.finished = False
+        self.streams: list[Any] = [None] * num_streams
+        # Stream i delivered its final item: nothing left to abort.
+        self.ended = [False] * num_streams
         self.released = False
 
     def release(self) -> None:
         if self.released:
             return
         self.released = True
-        if self.stream is not None and not self.finished:
-            self.stream.cancel()
+        for stream, ended in zip(self.streams, self.ended, strict=True):
+            if stream is not None and not ended:
+                stream.cancel()
         self.ingress.set_in_flight(self.ingress.inflight - 1)
 
 
@@ -223,6 +229,35 @@ async def _read_to_end(stream: Any) -> None:
     else:
         logger.warning("engine stream went on after its final item: %r", item)
     stream.cancel()
+
+
+async def _gather(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run the coroutines together; the first to fail cancels the rest and its error is raised
+    (not wrapped in an exception group)."""
+    if len(coros) == 1:
+        return [await coros[0]]
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(c) for c in coros]
+    except BaseExceptionGroup as eg:
+        raise eg.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
+def _own_serve_request_id(suffix: str) -> None:
+    """Give the current task's handle calls an internal request id of their own.
+
+    Every handle call made while serving one HTTP request inherits that request's internal id,
+    and Serve's request router matches routing results to pending calls by it: calls in flight
+    together under one id get mixed up, and all but one are never routed. Each prompt of a
+    several-prompt request runs in a task of its own, whose copy of the context this changes."""
+    current = serve_context._get_serve_request_context()
+    serve_context._serve_request_context.set(
+        dataclasses.replace(
+            current,
+            _internal_request_id=f"{current._internal_request_id or uuid.uuid4().hex}-{suffix}",
+        )
+    )
 
 
 def _enum_value(x: Any) -> str:
@@ -259,6 +294,11 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     param = loc[0] if loc else None
     where = ".".join(str(x) for x in err.get("loc", ()))
     return (f"{where}: {err.get('msg')}" if where else str(err.get("msg"))), param
+
+
+def _replica_header(items: list[dict[str, Any]]) -> dict[str, str]:
+    """Which engine replica served the request (several, comma-separated, for several prompts)."""
+    return {"x-engine-replica": ",".join(dict.fromkeys(i["replica_id"] for i in items))}
 
 
 def _item_error(item: dict[str, Any], retry_after: dict[str, str]) -> HTTPError:
@@ -385,6 +425,9 @@ class Ingress:
         except Exception as e:  # noqa: BLE001 - e.g. lone surrogates: the client's input
             raise HTTPError(400, f"prompt: cannot be tokenized: {e}", param="prompt") from e
 
+    def _decode(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
+
     def _chat_tokens(self, req: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise HTTPError(
@@ -438,15 +481,30 @@ class Ingress:
         req = self._parse(CompletionRequest, await self._read_json(request))
         self._check_model(req.model)
         try:
-            prompt_ids = self._tokenize(req.single_prompt())
+            prompts = req.prompts()
             # OpenAI's default for completions, within the configured limit.
             params = req.to_sampling_params(default_max_tokens=min(16, self.args.limits.max_tokens))
         except ProtocolError as e:
             raise HTTPError(400, str(e), param=e.param) from e
-        self._check_lengths(prompt_ids, params.max_tokens, "max_tokens")
+        prompt_ids = [self._tokenize(p) for p in prompts]
+        for ids in prompt_ids:
+            self._check_lengths(ids, params.max_tokens, "max_tokens")
         self._check_logit_bias(params)
+        echo = None
+        if req.echo:
+            echo = [
+                Echo(p if isinstance(p, str) else self._decode(ids), ids)
+                for p, ids in zip(prompts, prompt_ids, strict=True)
+            ]
         builder = ResponseBuilder(
-            "completion", f"cmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, req.n
+            "completion",
+            f"cmpl-{uuid.uuid4().hex}",
+            self.model_name,
+            self.tokenizer,
+            req.n,
+            num_prompts=len(prompts),
+            echo=echo,
+            echo_only=req.echo_only,
         )
         return await self._generate(req, prompt_ids, params, builder)
 
@@ -469,7 +527,7 @@ class Ingress:
         builder = ResponseBuilder(
             "chat", f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, req.n
         )
-        return await self._generate(req, prompt_ids, params, builder)
+        return await self._generate(req, [prompt_ids], params, builder)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
@@ -519,59 +577,98 @@ class Ingress:
 
     # -- generation ------------------------------------------------------------------------------
     async def _generate(
-        self, req: Any, prompt_ids: list[int], params: Any, builder: ResponseBuilder
+        self, req: Any, prompts: list[list[int]], params: Any, builder: ResponseBuilder
     ) -> Response:
+        """One engine request per prompt, each routed on its own (by its own prefix), their
+        items merged into one response."""
         self._check_capacity()  # again: the body was read since, other requests came in
-        engine_req = EngineRequest(
-            request_id=builder.id,
-            prompt_token_ids=prompt_ids,
-            sampling=dataclasses.asdict(params),
-            block_hashes=compute_block_hashes(prompt_ids, self.block_size, self.hash_salt),
-            priority=req.priority,
-            timeout_s=self.args.limits.request_timeout_s,
-            stream=bool(req.stream),
-            n=req.n,
-        )
+        engine_reqs = [
+            EngineRequest(
+                request_id=builder.id if len(prompts) == 1 else f"{builder.id}-{i}",
+                prompt_token_ids=ids,
+                sampling=dataclasses.asdict(params),
+                block_hashes=compute_block_hashes(ids, self.block_size, self.hash_salt),
+                priority=req.priority,
+                timeout_s=self.args.limits.request_timeout_s,
+                stream=bool(req.stream),
+                n=req.n,
+            )
+            for i, ids in enumerate(prompts)
+        ]
         # No await between the check above and this count: admission is atomic.
         self.set_in_flight(self.inflight + 1)
-        lease = _Lease(self)
+        lease = _Lease(self, len(engine_reqs))
         handed_off = False
-        attempt = 1
         try:
-            while True:
-                lease.stream = self.generate_handle.remote(engine_req)
-                try:
-                    first = await self._next_item(lease.stream)
-                    headers = {"x-engine-replica": first["replica_id"]}
-                    if req.stream:
-                        handed_off = True
-                        return _LeasedStreamingResponse(
-                            self._sse(lease, first, builder, req.include_usage),
-                            lease,
-                            media_type="text/event-stream",
-                            headers=headers,
-                        )
-                    items = await self._collect(lease.stream, first)
-                except _RetryableError as e:
-                    lease.stream.cancel()
-                    logger.warning("engine attempt %d failed: %s", attempt, e)
-                    if attempt == MAX_ATTEMPTS:
-                        raise e.error from e
-                    self.ingress_metrics.retries.inc()
-                    if e.backoff:
-                        await asyncio.sleep(RETRY_BACKOFF_S * attempt)
-                    attempt += 1
-                    continue
-                lease.finished = True
-                await _read_to_end(lease.stream)
-                return JSONResponse(builder.full(items), headers=headers)
+            if req.stream:
+                firsts = await _gather(
+                    [self._open(lease, i, r, req.n) for i, r in enumerate(engine_reqs)]
+                )
+                handed_off = True
+                return _LeasedStreamingResponse(
+                    self._sse(lease, firsts, builder, req.include_usage),
+                    lease,
+                    media_type="text/event-stream",
+                    headers=_replica_header(firsts),
+                )
+            results = await _gather(
+                [self._complete(lease, i, r, req.n) for i, r in enumerate(engine_reqs)]
+            )
+            items = [item for its in results for item in its]
+            return JSONResponse(builder.full(items), headers=_replica_header(items))
         finally:
             if not handed_off:
                 lease.release()
 
-    async def _next_item(self, stream: Any) -> dict[str, Any]:
-        """The stream's next item; an engine failure becomes ``HTTPError`` or, when another
-        replica may succeed, ``_RetryableError``."""
+    async def _retry_pause(self, e: "_RetryableError", attempt: int) -> None:
+        """Before attempt ``attempt + 1``; raises the error once the attempts are used up."""
+        logger.warning("engine attempt %d failed: %s", attempt, e)
+        if attempt >= MAX_ATTEMPTS:
+            raise e.error from e
+        self.ingress_metrics.retries.inc()
+        if e.backoff:
+            await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+
+    async def _open(self, lease: _Lease, i: int, engine_req: EngineRequest, n: int) -> dict:
+        """Start prompt ``i``'s stream; its first item (retried elsewhere until one comes)."""
+        if len(lease.streams) > 1:
+            _own_serve_request_id(str(i))
+        attempt = 1
+        while True:
+            stream = lease.streams[i] = self.generate_handle.remote(engine_req)
+            try:
+                return await self._next_item(stream, i * n)
+            except _RetryableError as e:
+                stream.cancel()
+                await self._retry_pause(e, attempt)
+                attempt += 1
+
+    async def _complete(
+        self, lease: _Lease, i: int, engine_req: EngineRequest, n: int
+    ) -> list[dict[str, Any]]:
+        """Prompt ``i``'s every item; retried elsewhere as a whole, since nothing was sent."""
+        if len(lease.streams) > 1:
+            _own_serve_request_id(str(i))
+        attempt = 1
+        while True:
+            stream = lease.streams[i] = self.generate_handle.remote(engine_req)
+            try:
+                items = [await self._next_item(stream, i * n)]
+                while not items[-1]["done"]:
+                    items.append(await self._next_item(stream, i * n))
+            except _RetryableError as e:
+                stream.cancel()
+                await self._retry_pause(e, attempt)
+                attempt += 1
+                continue
+            lease.ended[i] = True
+            await _read_to_end(stream)
+            return items
+
+    async def _next_item(self, stream: Any, offset: int = 0) -> dict[str, Any]:
+        """The stream's next item, its choice index moved up by ``offset`` (the prompt's first
+        choice); an engine failure becomes ``HTTPError`` or, when another replica may succeed,
+        ``_RetryableError``."""
         try:
             item = await stream.__anext__()
         except StopAsyncIteration as e:
@@ -593,6 +690,7 @@ class Ingress:
                 self.ingress_metrics.rejected["engine_replica"].inc()
                 raise _RetryableError(_item_error(item, self.retry_after), backoff=False)
             raise _item_error(item, self.retry_after)
+        item["index"] = item.get("index", 0) + offset
         return item
 
     def _unavailable(self, message: str) -> HTTPError:
@@ -600,38 +698,43 @@ class Ingress:
             503, message, "service_unavailable", code="engine_unavailable", headers=self.retry_after
         )
 
-    async def _collect(self, stream: Any, first: dict[str, Any]) -> list[dict[str, Any]]:
-        items = [first]
-        while not items[-1]["done"]:
-            items.append(await self._next_item(stream))
-        return items
-
     async def _sse(
-        self, lease: _Lease, first: dict[str, Any], builder: ResponseBuilder, include_usage: bool
+        self,
+        lease: _Lease,
+        firsts: list[dict[str, Any]],
+        builder: ResponseBuilder,
+        include_usage: bool,
     ) -> AsyncIterator[bytes]:
+        async def prompt_items(i: int) -> AsyncIterator[dict[str, Any]]:
+            item = firsts[i]
+            while True:
+                yield item
+                if item["done"]:
+                    lease.ended[i] = True
+                    return
+                item = await self._next_item(lease.streams[i], i * builder.n)
+
         try:
             if builder.chat:
-                for index in range(builder.n):
+                for index in range(builder.num_choices):
                     yield sse(builder.role_chunk(index))
-            item = first
-            while True:
-                if item["text"] or item["finished"] or item.get("logprobs"):
-                    yield sse(builder.chunk(item))
-                if item["done"]:
-                    lease.finished = True
-                    if include_usage:
-                        yield sse(builder.usage_chunk())
-                    break
-                try:
-                    item = await self._next_item(lease.stream)
-                except (HTTPError, _RetryableError) as e:
-                    # Tokens already went out: the stream ends with an error event.
-                    err = e.error if isinstance(e, _RetryableError) else e
-                    logger.warning("engine stream failed: %s", err)
-                    yield sse(error_body(str(err), err.type, err.param, err.code))
-                    break
+            merged = merge_streams([prompt_items(i) for i in range(len(firsts))])
+            try:
+                async for _, item in merged:
+                    if builder.has_content(item):
+                        yield sse(builder.chunk(item))
+                if include_usage:
+                    yield sse(builder.usage_chunk())
+            except (HTTPError, _RetryableError) as e:
+                # Tokens already went out: the stream ends with an error event.
+                err = e.error if isinstance(e, _RetryableError) else e
+                logger.warning("engine stream failed: %s", err)
+                yield sse(error_body(str(err), err.type, err.param, err.code))
+            finally:
+                await merged.aclose()
             yield b"data: [DONE]\n\n"
-            if lease.finished:
-                await _read_to_end(lease.stream)
+            for stream, ended in zip(lease.streams, lease.ended, strict=True):
+                if ended:
+                    await _read_to_end(stream)
         finally:
             lease.release()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -21,34 +22,72 @@ def sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-def usage(lasts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Usage from each choice's final item: the prompt counted once (as OpenAI does), the
-    completions summed; cached tokens are the first choice's."""
-    prompt = lasts[0]["prompt_tokens"]
-    completion = sum(item["completion_tokens"] for item in lasts)
+def usage(
+    lasts: list[dict[str, Any] | None], n: int = 1, count_completion: bool = True
+) -> dict[str, Any]:
+    """Usage from each choice's final item, in choice order (choice ``i * n + k`` is prompt
+    ``i``'s choice ``k``): each prompt counted once (as OpenAI does), with its cached tokens;
+    the completions summed. A choice with no item yet counts nothing."""
+    prompt = cached = 0
+    for start in range(0, len(lasts), n):
+        head = next((x for x in lasts[start : start + n] if x is not None), None)
+        if head is not None:
+            prompt += head["prompt_tokens"]
+            cached += head["cached_tokens"]
+    completion = (
+        sum(x["completion_tokens"] for x in lasts if x is not None) if count_completion else 0
+    )
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": lasts[0]["cached_tokens"]},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A prompt as ``echo`` repeats it: its text and its token ids."""
+
+    text: str
+    token_ids: list[int]
+
+
 class ResponseBuilder:
-    """Shapes one request's items into OpenAI chat or completion objects, ``n`` choices each.
+    """Shapes one request's items into OpenAI chat or completion objects.
 
-    Items carry their choice's ``index``; per choice the builder keeps the text offset of
-    completion logprobs and the latest item (for usage)."""
+    A request has ``num_prompts`` prompts of ``n`` choices each; items carry their choice's
+    ``index`` (``prompt * n + choice``). Per choice the builder keeps the text offset of
+    completion logprobs, the latest item (for usage) and whether its echo went out.
+    With ``echo`` (completions) each choice starts with its prompt, and with
+    ``echo_only`` the generated token is left out (``max_tokens: 0``)."""
 
-    def __init__(self, kind: str, request_id: str, model: str, tokenizer: Any, n: int = 1) -> None:
+    def __init__(
+        self,
+        kind: str,
+        request_id: str,
+        model: str,
+        tokenizer: Any,
+        n: int = 1,
+        *,
+        num_prompts: int = 1,
+        echo: list[Echo] | None = None,
+        echo_only: bool = False,
+    ) -> None:
         self.chat = kind == "chat"
         self.id = request_id
         self.model = model
         self.created = int(time.time())
         self.tokenizer = tokenizer
         self.n = n
-        self.text_offsets = [0] * n
-        self.lasts: list[dict[str, Any] | None] = [None] * n
+        self.echo = None if self.chat else echo
+        self.echo_only = echo_only and self.echo is not None
+        if echo is not None and len(echo) != num_prompts:
+            raise ValueError("echo: one per prompt")
+        self.num_choices = n * num_prompts
+        self.text_offsets = [0] * self.num_choices
+        self.lasts: list[dict[str, Any] | None] = [None] * self.num_choices
+        self.echoed = [False] * self.num_choices
 
     def _token_str(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -113,17 +152,47 @@ class ResponseBuilder:
         ]
         return body
 
+    def has_content(self, item: dict[str, Any]) -> bool:
+        """Whether the item makes a chunk: new text or logprobs, a finish, or an echo due."""
+        return bool(
+            item["text"]
+            or item["finished"]
+            or item.get("logprobs")
+            or (self.echo is not None and not self.echoed[item.get("index", 0)])
+        )
+
+    def _parts(self, index: int, items: list[dict[str, Any]]) -> tuple[str, list | None]:
+        """Text and raw logprob entries of a choice's items, after its echo if that is due."""
+        text = "" if self.echo_only else "".join(i["text"] for i in items)
+        raw = None
+        if not self.echo_only and any(i.get("logprobs") for i in items):
+            raw = [x for i in items for x in (i.get("logprobs") or [])]
+        if self.echo is None or self.echoed[index]:
+            return text, raw
+        self.echoed[index] = True
+        prompt = self.echo[index // self.n]
+        scored = next((i["prompt_logprobs"] for i in items if i.get("prompt_logprobs")), None)
+        if scored is not None:
+            # The first prompt token has nothing before it to be scored from.
+            head = [(prompt.token_ids[0], None, None)]
+            raw = head + [tuple(e) for e in scored[1:]] + (raw or [])
+        return prompt.text + text, raw
+
+    def _finish_reason(self, item: dict[str, Any]) -> str | None:
+        return "length" if self.echo_only else item["finish_reason"]
+
     def chunk(self, item: dict[str, Any]) -> dict[str, Any]:
         index = item.get("index", 0)
         self.lasts[index] = item
         body = self._head(True)
-        finish = item["finish_reason"] if item["finished"] else None
-        lp = self.logprobs(item.get("logprobs"), index)
+        finish = self._finish_reason(item) if item["finished"] else None
+        text, raw = self._parts(index, [item])
+        lp = self.logprobs(raw, index)
         if self.chat:
-            delta = {"content": item["text"]} if item["text"] or not item["finished"] else {}
+            delta = {"content": text} if text or not item["finished"] else {}
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": index, "text": item["text"], "logprobs": lp, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
         if item["finished"]:
             choice["stop_reason"] = item.get("stop_reason")
         body["choices"] = [choice]
@@ -133,42 +202,30 @@ class ResponseBuilder:
         """After every choice's final chunk."""
         body = self._head(True)
         body["choices"] = []
-        body["usage"] = usage([last for last in self.lasts if last is not None])
+        body["usage"] = usage(self.lasts, self.n, not self.echo_only)
         return body
 
     # -- whole response --------------------------------------------------------------------------
     def full(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         """The whole response from every item of every choice, in arrival order."""
+        by_choice: list[list[dict[str, Any]]] = [[] for _ in range(self.num_choices)]
+        for item in items:
+            by_choice[item.get("index", 0)].append(item)
         body = self._head(False)
-        body["choices"] = [
-            self._choice(index, [i for i in items if i.get("index", 0) == index])
-            for index in range(self.n)
-        ]
-        body["usage"] = usage(
-            [[i for i in items if i.get("index", 0) == k][-1] for k in range(self.n)]
-        )
+        body["choices"] = [self._choice(k, its) for k, its in enumerate(by_choice)]
+        body["usage"] = usage([its[-1] for its in by_choice], self.n, not self.echo_only)
         return body
 
     def _choice(self, index: int, items: list[dict[str, Any]]) -> dict[str, Any]:
         last = items[-1]
-        text = "".join(i["text"] for i in items)
-        raw_lp = None
-        if any(i.get("logprobs") for i in items):
-            raw_lp = [x for i in items for x in (i.get("logprobs") or [])]
-        lp = self.logprobs(raw_lp, index)
+        text, raw = self._parts(index, items)
+        lp = self.logprobs(raw, index)
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
-            choice = {
-                "index": index,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": lp,
-                "finish_reason": last["finish_reason"],
-            }
+            choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice = {
-                "index": index,
-                "text": text,
-                "logprobs": lp,
-                "finish_reason": last["finish_reason"],
-            }
+            choice["text"] = text
+        choice["logprobs"] = lp
+        choice["finish_reason"] = self._finish_reason(last)
         choice["stop_reason"] = last.get("stop_reason")
         return choice

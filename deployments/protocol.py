@@ -1,7 +1,7 @@
 """OpenAI-compatible request schemas (pydantic) and their mapping onto SamplingParams.
 
 Unknown fields are ignored, as OpenAI's own API and vLLM do, so that any client works; fields we
-know but do not implement (``echo``, ``best_of``, tools) are rejected with a 400 naming the
+know but do not implement (``suffix``, ``best_of``, tools) are rejected with a 400 naming the
 field rather than silently ignored. ``logit_bias`` keys are token ids written as strings, as
 OpenAI's API sends them.
 """
@@ -16,6 +16,8 @@ from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # Choices per request (OpenAI allows 128; each choice is a sequence in the engine's batch).
 MAX_N = 16
+# Prompts in one /v1/completions request; each is an engine request of its own, routed alone.
+MAX_PROMPTS = 64
 
 
 class ProtocolError(ValueError):
@@ -115,36 +117,45 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
+    """``prompt`` is one prompt (a string or token ids) or a list of them; choice ``i * n + k``
+    of the response is prompt ``i``'s choice ``k``. ``echo`` puts the prompt before each
+    choice's text, and with ``logprobs`` the prompt tokens' logprobs before the completion's
+    (the first token's is null); ``echo`` with ``max_tokens: 0`` scores the prompt alone."""
+
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
     echo: StrictBool = False
     suffix: str | None = None
     best_of: StrictInt | None = None
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str | list):
-            if len(p) != 1:
-                raise ProtocolError("prompt: only one prompt per request is supported", "prompt")
-            p = p[0]
-        if isinstance(p, str):
-            if not p:
-                raise ProtocolError("prompt: must not be empty", "prompt")
-            return p
-        if not p:
+        several = isinstance(p, list) and p and isinstance(p[0], str | list)
+        batch: list = list(p) if several else [p]  # type: ignore[arg-type]
+        if len(batch) > MAX_PROMPTS:
+            raise ProtocolError(f"prompt: at most {MAX_PROMPTS} prompts per request", "prompt")
+        if any(not x for x in batch):
             raise ProtocolError("prompt: must not be empty", "prompt")
-        return list(p)  # type: ignore[arg-type]
+        return [x if isinstance(x, str) else list(x) for x in batch]
+
+    @property
+    def echo_only(self) -> bool:
+        """The prompt echoed, nothing generated (``max_tokens: 0``)."""
+        return self.echo and self.max_tokens == 0
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        if self.echo:
-            raise ProtocolError("echo: not supported", "echo")
         if self.suffix:
             raise ProtocolError("suffix: not supported", "suffix")
         if self.best_of not in (None, 1):
             raise ProtocolError("best_of: not supported", "best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ProtocolError(f"logprobs: must be in [0, {MAX_LOGPROBS}]", "logprobs")
-        return self.sampling_params(self.max_tokens, self.logprobs, default_max_tokens)
+        # The engine always produces a token; with echo_only the response leaves it out.
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        params = self.sampling_params(max_tokens, self.logprobs, default_max_tokens)
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = self.logprobs
+        return params
 
 
 class TextPart(BaseModel):

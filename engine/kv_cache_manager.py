@@ -43,7 +43,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached blocks that prefixes the request's tokens, and the number of
         tokens they cover. Capped so that at least the last token is recomputed for its logits."""
-        if not self.enable_caching:
+        if not self.enable_caching or request.skips_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVCacheBlock] = []

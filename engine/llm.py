@@ -80,6 +80,8 @@ class LLM:
                     continue
                 out.token_ids.extend(delta.new_token_ids)
                 out.text += delta.new_text
+                if delta.prompt_logprobs is not None:
+                    out.prompt_logprobs = delta.prompt_logprobs
                 if delta.logprobs and out.logprobs is not None:
                     out.logprobs.extend(delta.logprobs)
                 if delta.finished:

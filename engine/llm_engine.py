@@ -280,7 +280,10 @@ class LLMEngine:
             self.stats.cache_hit_tokens_local += request.num_cached_tokens - remote
             self.stats.cache_hit_tokens_remote += remote
         seqs = [ScheduledSeq(r, n, self.kv.block_ids(r.request_id)) for r, n in out.scheduled]
-        sampled, result = self.runner.execute(seqs)
+        step = self.runner.execute(seqs)
+        sampled, result = step.sampled, step.sampler
+        for request, entries in step.prompt_logprobs:
+            request.prompt_logprobs.extend(entries)
         self.scheduler.update_from_output(out)
         self.stats.num_steps += 1
 
@@ -290,7 +293,8 @@ class LLMEngine:
             sampled, result.token_ids, result.logprobs, strict=True
         ):
             request.append_output_token(token)
-            if request.first_token_time is None:
+            first = request.first_token_time is None
+            if first:
                 request.first_token_time = now
                 if self.on_prefill_done is not None:
                     self.on_prefill_done(request)
@@ -316,6 +320,9 @@ class LLMEngine:
                     num_remote_cached_tokens=request.num_remote_cached_tokens,
                     stop_reason=request.stop_reason,
                     logprobs=[logprobs] if logprobs is not None else None,
+                    prompt_logprobs=list(request.prompt_logprobs)
+                    if first and request.prompt_logprobs
+                    else None,
                 )
             )
         self.stats.generation_tokens += len(deltas)

@@ -15,7 +15,10 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.request import Request
-from engine.sampler import Sampler, SamplerOutput
+from engine.sampler import Sampler, SamplerOutput, TokenLogprobs, token_logprobs
+
+# Rows of prompt logits computed at once: 256 x a 49k vocabulary is 50 MB of float32.
+PROMPT_LOGITS_ROWS = 256
 
 
 @dataclass
@@ -26,12 +29,33 @@ class ScheduledSeq:
 
 
 @dataclass
+class PromptRows:
+    """Hidden rows of one request's prefill chunk whose logits score prompt tokens
+    (``targets``: the prompt tokens those rows predict, in order)."""
+
+    request: Request
+    rows: list[int]
+    targets: list[int]
+
+
+@dataclass
 class BatchInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sample_requests: list[Request]
+    prompt_rows: list[PromptRows]
+
+
+@dataclass
+class StepOutput:
+    """The requests that sampled a token this step and what they sampled, and the prompt
+    logprobs computed this step (entries to append to each request's ``prompt_logprobs``)."""
+
+    sampled: list[Request]
+    sampler: SamplerOutput
+    prompt_logprobs: list[tuple[Request, list[TokenLogprobs]]]
 
 
 class ModelRunner:
@@ -72,11 +96,25 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
+        prompt_rows: list[PromptRows] = []
         max_blocks = 1
         for i, s in enumerate(seqs):
             r = s.request
             start = r.num_computed_tokens
             end = start + s.num_new_tokens
+            if r.prompt_logprobs:
+                # Position p scores prompt token p + 1; skip tokens scored before a preemption.
+                first = max(start, len(r.prompt_logprobs) - 1)
+                last = min(end, r.num_prompt_tokens - 1)
+                if first < last:
+                    base = qsl[-1] - start
+                    prompt_rows.append(
+                        PromptRows(
+                            r,
+                            list(range(base + first, base + last)),
+                            r.prompt_token_ids[first + 1 : last + 1],
+                        )
+                    )
             input_ids.extend(r.all_token_ids[start:end])
             starts.append(start)
             qsl.append(qsl[-1] + s.num_new_tokens)
@@ -121,17 +159,32 @@ class ModelRunner:
             meta=meta,
             logits_indices=logits_indices.to(dev),
             sample_requests=sample_requests,
+            prompt_rows=prompt_rows,
         )
 
     @torch.inference_mode()
-    def execute(self, seqs: list[ScheduledSeq]) -> tuple[list[Request], SamplerOutput]:
-        """Run one step. Returns the requests that sampled a token and what they sampled."""
+    def execute(self, seqs: list[ScheduledSeq]) -> StepOutput:
+        """Run one step: the model over every scheduled token, then the sampler over the rows
+        that end a request's known tokens."""
         batch = self.prepare(seqs)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        prompt_logprobs = [(p.request, self._prompt_logprobs(hidden, p)) for p in batch.prompt_rows]
         if not batch.sample_requests:
-            return [], SamplerOutput([], [])
+            return StepOutput([], SamplerOutput([], []), prompt_logprobs)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return batch.sample_requests, self.sampler(logits, batch.sample_requests)
+        return StepOutput(
+            batch.sample_requests, self.sampler(logits, batch.sample_requests), prompt_logprobs
+        )
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, p: PromptRows) -> list[TokenLogprobs]:
+        k = p.request.sampling_params.prompt_logprobs or 0
+        entries: list[TokenLogprobs] = []
+        for c in range(0, len(p.rows), PROMPT_LOGITS_ROWS):
+            rows = torch.tensor(p.rows[c : c + PROMPT_LOGITS_ROWS], device=self.device)
+            targets = p.targets[c : c + PROMPT_LOGITS_ROWS]
+            logits = self.model.compute_logits(hidden[rows])
+            entries += token_logprobs(logits, targets, [k] * len(targets))
+        return entries
 
     # -- KV transfer (prefix sharing between replicas) --------------------------------------------
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:

@@ -23,6 +23,8 @@ class RequestDelta:
     num_remote_cached_tokens: int = 0
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    # Only on a request's first delta, and only when asked for (see Request.prompt_logprobs).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -38,6 +40,7 @@ class RequestOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.block_hash import BlockHash, extend_block_hashes
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.sampler import TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -88,6 +91,12 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict] = []
+        # With ``prompt_logprobs``: entry i belongs to prompt token i (entry 0 is None: nothing
+        # predicts the first token). Filled as prefill chunks compute; a recompute after
+        # preemption does not add entries twice. Empty when not asked for.
+        self.prompt_logprobs: list[TokenLogprobs | None] = (
+            [None] if sampling_params.prompt_logprobs is not None else []
+        )
         self.block_size = block_size
         self.hash_salt = hash_salt
         self.block_hashes: list[BlockHash] = []
@@ -112,6 +121,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Cached KV has no logits: a request that wants every prompt position's must compute
+        them all."""
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def finish_reason(self) -> str | None:

@@ -31,6 +31,27 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """Row i's log-probability of ``tokens[i]`` and its ``ks[i]`` most likely tokens, from
+    ``logits [R, V]`` (raw: no penalty or temperature applied)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    k = max(ks, default=0)
+    top_ids: list[list[int]] = []
+    top_vals: list[list[float]] = []
+    if k:
+        vals, ids = lp.topk(k, dim=-1)
+        top_ids, top_vals = ids.tolist(), vals.tolist()
+    return [
+        TokenLogprobs(
+            tokens[row],
+            chosen[row],
+            list(zip(top_ids[row][:n], top_vals[row][:n], strict=True)) if n else [],
+        )
+        for row, n in enumerate(ks)
+    ]
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
@@ -56,17 +77,13 @@ class Sampler:
         out_logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wanted:
-            lp = torch.log_softmax(raw[wanted], dim=-1)
-            k = max(params[i].logprobs or 0 for i in wanted)
-            top_vals, top_ids = lp.topk(k, dim=-1) if k else (None, None)
-            for row, i in enumerate(wanted):
-                n = params[i].logprobs or 0
-                top = []
-                if n and top_ids is not None and top_vals is not None:
-                    top = list(
-                        zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist(), strict=True)
-                    )
-                out_logprobs[i] = TokenLogprobs(token_list[i], float(lp[row, token_list[i]]), top)
+            entries = token_logprobs(
+                raw[wanted],
+                [token_list[i] for i in wanted],
+                [params[i].logprobs or 0 for i in wanted],
+            )
+            for i, entry in zip(wanted, entries, strict=True):
+                out_logprobs[i] = entry
         return SamplerOutput(token_list, out_logprobs)
 
     @staticmethod

@@ -24,6 +24,9 @@ class SamplingParams:
     it occurs there, both subtracted.
     ``logprobs=None`` returns none; ``logprobs=k`` returns the sampled token's log-probability and
     the ``k`` most likely alternatives (``k = 0``: the sampled token's only).
+    ``prompt_logprobs=k`` does the same for every prompt token after the first (the first has no
+    context to be predicted from), from the model's raw distribution; such a request computes
+    its whole prompt, since KV found in the prefix cache carries no logits.
     """
 
     max_tokens: int = 16
@@ -41,6 +44,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -96,10 +100,10 @@ class SamplingParams:
                 )
         if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and (
-            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name}: must be an integer in [0, {MAX_LOGPROBS}]")
         assert isinstance(self.stop, list)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop: every stop string must be a non-empty string")

@@ -205,6 +205,7 @@ class Scheduler:
             next_block = num_cached // self.kv.block_size
             if (
                 inflight is not None
+                and not request.skips_prefix_cache
                 and next_block < len(request.block_hashes)
                 and request.block_hashes[next_block] in inflight
             ):

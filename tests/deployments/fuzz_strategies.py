@@ -139,9 +139,19 @@ valid_completion = st.fixed_dictionaries(
         "prompt": st.one_of(
             st.text(min_size=1, max_size=60),
             st.lists(st.integers(min_value=3, max_value=49000), min_size=1, max_size=40),
+            st.lists(st.text(min_size=1, max_size=30), min_size=1, max_size=3),
+            st.lists(
+                st.lists(st.integers(min_value=3, max_value=49000), min_size=1, max_size=20),
+                min_size=1,
+                max_size=3,
+            ),
         ),
     },
-    optional={**valid_sampling, "logprobs": st.integers(min_value=0, max_value=5)},
+    optional={
+        **valid_sampling,
+        "logprobs": st.integers(min_value=0, max_value=5),
+        "echo": st.booleans(),
+    },
 )
 valid_chat = st.fixed_dictionaries(
     {

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from deployments.choices import choice_params, merge_streams
-from deployments.openai_format import ResponseBuilder
+from deployments.openai_format import Echo, ResponseBuilder
 from engine.sampling_params import SamplingParams
 
 
@@ -110,6 +110,7 @@ def item(index: int, text: str, completion: int, finished: bool = False, **extra
         "completion_tokens": completion,
         "cached_tokens": 4 - index,
         "logprobs": extra.get("logprobs"),
+        "prompt_logprobs": extra.get("prompt_logprobs"),
     }
 
 
@@ -148,3 +149,64 @@ def test_streamed_chunks_carry_their_index_and_usage_sums_the_choices():
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length", "length"]
     usage = builder.usage_chunk()["usage"]
     assert usage["completion_tokens"] == 5 and usage["prompt_tokens"] == 5
+
+
+def test_several_prompts_count_each_prompt_once_and_keep_their_cached_tokens():
+    # Two prompts x n=2: choices 0-1 belong to prompt 0, 2-3 to prompt 1.
+    items = [item(3, "d", 1, True), item(0, "a", 1, True), item(2, "c", 2, True)]
+    items.append(item(1, "b", 1, True))
+    items[0]["prompt_tokens"] = items[2]["prompt_tokens"] = 7
+    body = ResponseBuilder("completion", "id-3", "tiny", None, n=2, num_prompts=2).full(items)
+    assert [c["text"] for c in body["choices"]] == ["a", "b", "c", "d"]
+    assert body["usage"]["prompt_tokens"] == 5 + 7
+    assert body["usage"]["completion_tokens"] == 5
+    # cached_tokens: choice 0's (4) for prompt 0, choice 2's (2) for prompt 1.
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 + 2
+
+
+SCORED = [None, (21, -1.5, [(30, -0.5)]), (22, -2.5, [(22, -2.5)])]
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion():
+    echo = [Echo("<20><21><22>", [20, 21, 22])]
+    first = item(0, "X", 1, logprobs=[(40, -0.25, [(40, -0.25)])], prompt_logprobs=SCORED)
+    last = item(0, "Y", 2, finished=True, logprobs=[(41, -0.75, [(41, -0.75)])])
+    body = ResponseBuilder("completion", "id-4", "tiny", None, echo=echo).full([first, last])
+    [choice] = body["choices"]
+    assert choice["text"] == "<20><21><22>XY"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["<20>", "<21>", "<22>", "<40>", "<41>"]
+    assert lp["token_logprobs"] == [None, -1.5, -2.5, -0.25, -0.75]
+    assert lp["top_logprobs"] == [
+        None,
+        {"<30>": -0.5},
+        {"<22>": -2.5},
+        {"<40>": -0.25},
+        {"<41>": -0.75},
+    ]
+    assert lp["text_offset"] == [0, 4, 8, 12, 16]
+
+    streamed = ResponseBuilder("completion", "id-5", "tiny", None, echo=echo)
+    chunks = [streamed.chunk(i)["choices"][0] for i in (first, last)]
+    assert [c["text"] for c in chunks] == ["<20><21><22>X", "Y"]
+    assert chunks[0]["logprobs"]["token_logprobs"] == [None, -1.5, -2.5, -0.25]
+    assert chunks[1]["logprobs"]["text_offset"] == [16]
+
+
+def test_echo_only_scores_the_prompt_and_drops_the_generated_token():
+    echo = [Echo("ab", [20, 21, 22]), Echo("cd", [23, 24])]
+    items = [
+        item(1, "Q", 1, True, logprobs=[(50, -0.1, [])], prompt_logprobs=[None, (24, -3.0, [])]),
+        item(0, "P", 1, True, logprobs=[(51, -0.1, [])], prompt_logprobs=SCORED),
+    ]
+    items[1]["finish_reason"] = "stop"  # an EOS as the one generated token: still "length"
+    builder = ResponseBuilder(
+        "completion", "id-6", "tiny", None, num_prompts=2, echo=echo, echo_only=True
+    )
+    assert all(builder.has_content(i) for i in items)
+    body = builder.full(items)
+    assert [c["text"] for c in body["choices"]] == ["ab", "cd"]
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
+    assert body["choices"][1]["logprobs"]["token_logprobs"] == [None, -3.0]
+    assert body["usage"]["completion_tokens"] == 0
+    assert body["usage"]["prompt_tokens"] == 10

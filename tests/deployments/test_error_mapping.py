@@ -20,7 +20,7 @@ from deployments.app import (
     ingress_serve_options,
 )
 from deployments.config import AppArgs
-from deployments.engine_request import error_item
+from deployments.engine_request import EngineRequest, error_item
 from deployments.ingress import (
     HTTPError,
     Ingress,
@@ -164,20 +164,89 @@ def test_client_errors_from_the_engine_keep_their_status() -> None:
     assert e.value.status == 400 and e.value.headers is None
 
 
-def test_lease_releases_once_and_cancels_an_unfinished_stream() -> None:
+def test_lease_releases_once_and_cancels_the_unfinished_streams() -> None:
     ing = make_ingress()
     ing.set_in_flight(2)
-    lease = _Lease(ing)
-    lease.stream = FakeStream()
+    lease = _Lease(ing, 2)
+    lease.streams = [FakeStream(), FakeStream()]
+    lease.ended[1] = True
     lease.release()
     lease.release()
     assert ing.inflight == 1
-    assert lease.stream.cancelled == 1
+    assert [s.cancelled for s in lease.streams] == [1, 0]
     done = _Lease(ing)
-    done.stream, done.finished = FakeStream(), True
+    done.streams, done.ended = [FakeStream()], [True]
     done.release()
-    assert ing.inflight == 0 and done.stream.cancelled == 0
+    assert ing.inflight == 0 and done.streams[0].cancelled == 0
     assert ing.ingress_metrics.peak == 2
+
+
+def item(index: int, done: bool, replica: str = "r1") -> dict[str, Any]:
+    return {"replica_id": replica, "index": index, "text": "x", "done": done}
+
+
+class FakeHandle:
+    """``generate_handle``: hands out scripted streams, one per call, and records the Serve
+    internal request id each call was made under."""
+
+    def __init__(self, *streams: FakeStream) -> None:
+        self.streams = list(streams)
+        self.calls: list[tuple[str, str]] = []
+
+    def remote(self, req: Any) -> FakeStream:
+        from ray.serve import context
+
+        self.calls.append(
+            (req.prompt_token_ids, context._get_serve_request_context()._internal_request_id)
+        )
+        return self.streams.pop(0)
+
+
+def test_several_prompts_get_shifted_indexes_and_their_own_serve_request_ids() -> None:
+    ing = make_ingress()
+    ing.generate_handle = FakeHandle(
+        FakeStream(item(0, False), item(1, True)),
+        FakeStream(item(1, False, "r2"), item(0, True, "r2")),
+    )
+    lease = _Lease(ing, 2)
+    reqs = [EngineRequest(f"p{i}", [i + 5], {}, n=2) for i in range(2)]
+
+    async def run() -> list:
+        from ray.serve import context
+
+        context._serve_request_context.set(context._RequestContext(_internal_request_id="http-1"))
+        return await ingress_module._gather(
+            [ing._complete(lease, i, r, 2) for i, r in enumerate(reqs)]
+        )
+
+    results = asyncio.run(run())
+    assert [[i["index"] for i in its] for its in results] == [[0, 1], [3, 2]]
+    assert lease.ended == [True, True]
+    assert sorted(ing.generate_handle.calls) == [([5], "http-1-0"), ([6], "http-1-1")]
+
+
+def test_one_failing_prompt_fails_the_request_and_cancels_the_others() -> None:
+    ing = make_ingress()
+    slow = HangingStream()
+    ing.generate_handle = FakeHandle(
+        slow, FakeStream(error_item(400, "bad", "invalid_request_error"))
+    )
+    ing.set_in_flight(1)
+    lease = _Lease(ing, 2)
+    reqs = [EngineRequest(f"p{i}", [i + 5], {}) for i in range(2)]
+
+    async def run() -> None:
+        try:
+            await ingress_module._gather(
+                [ing._complete(lease, i, r, 1) for i, r in enumerate(reqs)]
+            )
+        finally:
+            lease.release()
+
+    with pytest.raises(HTTPError) as e:
+        asyncio.run(run())
+    assert e.value.status == 400
+    assert slow.cancelled == 1 and ing.inflight == 0
 
 
 class HangingStream(FakeStream):

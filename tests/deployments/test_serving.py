@@ -237,6 +237,17 @@ INVALID = [
         "repetition_penalty",
     ),
     ("completions", {"model": "tiny", "prompt": "hi", "min_p": 1.5}, 400, "min_p"),
+    ("completions", {"model": "tiny", "prompt": ["hi"] * 65}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": ["hi", ""]}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": [[5, 6], [7, 10**9]]}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"model": "tiny", "prompt": "hi", "suffix": "!"}, 400, "suffix"),
+    (
+        "completions",
+        {"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 21},
+        400,
+        "logprobs",
+    ),
 ]
 
 
@@ -319,6 +330,96 @@ def test_penalties_and_logit_bias_reach_the_sampler(client: OpenAI) -> None:
     assert len(set(tokens)) > 1, tokens
     again = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
     assert again.choices[0].text == plain.choices[0].text
+
+
+def test_several_prompts_streamed_and_not(base_url: str, client: OpenAI) -> None:
+    """A list of prompts: prompt i's choice k is choice i * n + k, each prompt's greedy text is
+    what it gets alone, and usage counts every prompt once."""
+    prompts = ["Once upon a time", "The capital of France is", "1, 2, 3,"]
+    kwargs = dict(model="tiny", max_tokens=5, temperature=0.0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **kwargs) for p in prompts]
+    batch = client.completions.create(prompt=prompts, n=2, **kwargs)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in (0, 1)]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 6 * 5
+
+    body = {
+        "model": "tiny",
+        "prompt": prompts,
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts = ["", "", ""]
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] += choice["text"]
+    assert texts == [a.choices[0].text for a in alone]
+    assert chunks[-1]["usage"]["prompt_tokens"] == batch.usage.prompt_tokens
+    assert chunks[-1]["usage"]["completion_tokens"] == 3 * 5
+
+
+def test_echo_scores_prompts_as_transformers_does(
+    client: OpenAI, tiny_llama_with_tokenizer: Path, smollm2_tokenizer
+) -> None:
+    """What lm-eval's loglikelihood asks: ``echo`` with ``max_tokens: 0`` and ``logprobs``, for
+    several token-id prompts at once; each prompt token's logprob as transformers computes it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompts = [[5, 17, 300], [5, 17, 300, 42, 9, 1000, 77, 4000, 123]]
+    scored = client.completions.create(
+        model="tiny", prompt=prompts, max_tokens=0, echo=True, logprobs=2, temperature=0
+    )
+    assert [c.finish_reason for c in scored.choices] == ["length", "length"]
+    assert scored.usage.completion_tokens == 0
+    assert scored.usage.prompt_tokens == 3 + 9
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_with_tokenizer, dtype=torch.float32)
+    for prompt, choice in zip(prompts, scored.choices, strict=True):
+        assert choice.text == smollm2_tokenizer.decode(prompt)
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(prompt)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        expected = [float(ref[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+        assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+        for i in range(1, len(prompt)):
+            best = ref[i - 1].topk(2)
+            assert sorted(lp.top_logprobs[i].values()) == pytest.approx(
+                sorted(best.values.tolist()), abs=1e-4
+            )
+
+    # Echo while generating, streamed: the prompt comes first, then the completion.
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt="Once upon a time",
+            max_tokens=3,
+            temperature=0,
+            echo=True,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    plain = client.completions.create(
+        model="tiny",
+        prompt="Once upon a time",
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert chunks[0].choices[0].text.startswith("Once upon a time")
+    assert text == "Once upon a time" + plain.choices[0].text
 
 
 def test_malformed_json_and_still_serving(base_url: str, client: OpenAI) -> None:

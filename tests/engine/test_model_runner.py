@@ -20,7 +20,8 @@ def test_only_sequences_reaching_their_end_sample(tiny_llama):
     seqs = [
         ScheduledSeq(r, n, engine.kv.block_ids(r.request_id)) for r, n in ((a, 12), (b, 3), (c, 1))
     ]
-    sampled, out = engine.runner.execute(seqs)
+    step = engine.runner.execute(seqs)
+    sampled, out = step.sampled, step.sampler
     # a's chunk stops short of its prompt's end; c (one token) is batched as a decode.
     assert sorted(r.request_id for r in sampled) == ["b", "c"]
     assert len(out.token_ids) == 2
