@@ -83,6 +83,11 @@ class SimRequest:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Traces carry no prompt-logprob requests: every request may hit the cache."""
+        return False
+
     def set_status(self, status: RequestStatus) -> None:
         self.status = status
 

@@ -166,7 +166,9 @@ def send(client: httpx.Client, request: tuple) -> tuple[int, str]:
         headers["Content-Type"] = "application/json"
     streamed = kind == "json" and isinstance(payload, dict) and payload.get("stream") is True
     with client.stream(method, path, content=content, headers=headers) as r:
-        lines = list(r.iter_lines())
+        # Split on "\n" only: iter_lines also splits on U+0085 and U+2028, which JSON strings
+        # (an echoed prompt, generated text) may hold unescaped.
+        lines = r.read().decode().split("\n")
         status = r.status_code
         ctype = r.headers.get("content-type", "")
     problem = ""
@@ -188,22 +190,36 @@ def send(client: httpx.Client, request: tuple) -> tuple[int, str]:
 
 
 def check_completion(body: dict[str, Any]) -> str:
-    choice = body["choices"][0]
-    if choice["finish_reason"] not in ("stop", "length"):
-        return f"finish_reason {choice['finish_reason']}"
-    if not 1 <= body["usage"]["completion_tokens"] <= MAX_TOKENS:
+    """Every choice (several prompts times n) finished, indexed 0..k-1; usage within bounds
+    (an echo of the prompt alone, ``max_tokens: 0``, generates nothing)."""
+    choices = body["choices"]
+    if [c["index"] for c in choices] != list(range(len(choices))) or not choices:
+        return f"choice indexes {[c['index'] for c in choices]}"
+    if any(c["finish_reason"] not in ("stop", "length") for c in choices):
+        return f"finish reasons {[c['finish_reason'] for c in choices]}"
+    if not 0 <= body["usage"]["completion_tokens"] <= MAX_TOKENS * len(choices):
         return f"usage {body['usage']}"
     return ""
 
 
 def check_sse(lines: list[str]) -> str:
+    """[DONE] at the end, no error event, and each choice finished exactly once."""
     events = sse_payloads(lines)
     if not events or events[-1] != "[DONE]":
         return "stream without [DONE]"
     if any("error" in e for e in events[:-1]):
         return f"error event {events}"
-    reasons = [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]]
-    return "" if reasons in (["stop"], ["length"]) else f"finish reasons {reasons}"
+    finished = sorted(
+        (c["index"], c["finish_reason"])
+        for e in events[:-1]
+        for c in e["choices"]
+        if c["finish_reason"]
+    )
+    indexes = [i for i, _ in finished]
+    reasons = {r for _, r in finished}
+    if indexes != list(range(len(indexes))) or not indexes or not reasons <= {"stop", "length"}:
+        return f"finish reasons {finished}"
+    return ""
 
 
 def test_fuzz_http_api(base_url: str) -> None:
@@ -275,10 +291,18 @@ def soak_request(rng: random.Random, prefixes: list[list[int]]) -> tuple[str, di
         body["prompt"] = [rng.randrange(3, 49000) for _ in range(rng.randint(1, 180))]
     else:
         body["prompt"] = "".join(rng.choice(string.printable) for _ in range(rng.randint(1, 300)))
+    if rng.random() < 0.15:
+        # Several prompts: one engine request each, possibly on different replicas.
+        body["prompt"] = [
+            rng.choice(prefixes) + [rng.randrange(3, 49000) for _ in range(5)]
+            for _ in range(rng.randint(2, 3))
+        ]
     if rng.random() < 0.05:
-        body["max_tokens"] = 0  # invalid: a 400 in the mix
+        body["max_tokens"] = 0  # invalid without echo: a 400 in the mix
     if rng.random() < 0.2:
         body["logprobs"] = rng.randint(0, 3)
+    if rng.random() < 0.1:
+        body["echo"] = True  # with logprobs: the whole prompt computed and scored
     return "/v1/completions", body
 
 
