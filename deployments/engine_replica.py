@@ -213,14 +213,27 @@ class EngineReplica:
             for k in range(req.n)
         ]
         merged = merge_streams(streams)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
         try:
-            async with asyncio.timeout(timeout_s):
-                async for index, batch in merged:
-                    if first_at is None:
-                        first_at = time.monotonic()
-                    last[index] = batch[-1]
-                    done = all(d is not None and d.finished for d in last)
-                    yield self._item(batch, index, done)
+            while True:
+                # The deadline covers the waits for the engine, never the yield: a timeout that
+                # fired while this generator is suspended at a yield would cancel its consumer
+                # wherever that is awaiting, outside this scope, and no TimeoutError would come.
+                # Checked by hand too: with items already queued the wait never suspends, and a
+                # scope entered past its deadline would then end before its cancellation lands.
+                if deadline is not None and loop.time() >= deadline:
+                    raise TimeoutError
+                async with asyncio.timeout_at(deadline):
+                    try:
+                        index, batch = await anext(merged)
+                    except StopAsyncIteration:
+                        break
+                if first_at is None:
+                    first_at = time.monotonic()
+                last[index] = batch[-1]
+                done = all(d is not None and d.finished for d in last)
+                yield self._item(batch, index, done)
         except TimeoutError:
             unfinished = [k for k, d in enumerate(last) if d is None or not d.finished]
             for k in unfinished:

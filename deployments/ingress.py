@@ -23,7 +23,7 @@ import json
 import logging
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -629,41 +629,46 @@ class Ingress:
         if e.backoff:
             await asyncio.sleep(RETRY_BACKOFF_S * attempt)
 
-    async def _open(self, lease: _Lease, i: int, engine_req: EngineRequest, n: int) -> dict:
-        """Start prompt ``i``'s stream; its first item (retried elsewhere until one comes)."""
+    async def _attempt(
+        self,
+        lease: _Lease,
+        i: int,
+        engine_req: EngineRequest,
+        n: int,
+        read: Callable[[Any, int], Awaitable[T]],
+    ) -> T:
+        """``read(stream, index offset)`` on prompt ``i``'s stream, on another replica again while
+        it fails in a way another replica may not."""
         if len(lease.streams) > 1:
             _own_serve_request_id(str(i))
         attempt = 1
         while True:
             stream = lease.streams[i] = self.generate_handle.remote(engine_req)
             try:
-                return await self._next_item(stream, i * n)
+                return await read(stream, i * n)
             except _RetryableError as e:
                 stream.cancel()
                 await self._retry_pause(e, attempt)
                 attempt += 1
 
+    async def _open(self, lease: _Lease, i: int, engine_req: EngineRequest, n: int) -> dict:
+        """Start prompt ``i``'s stream: its first item."""
+        return await self._attempt(lease, i, engine_req, n, self._next_item)
+
     async def _complete(
         self, lease: _Lease, i: int, engine_req: EngineRequest, n: int
     ) -> list[dict[str, Any]]:
-        """Prompt ``i``'s every item; retried elsewhere as a whole, since nothing was sent."""
-        if len(lease.streams) > 1:
-            _own_serve_request_id(str(i))
-        attempt = 1
-        while True:
-            stream = lease.streams[i] = self.generate_handle.remote(engine_req)
-            try:
-                items = [await self._next_item(stream, i * n)]
-                while not items[-1]["done"]:
-                    items.append(await self._next_item(stream, i * n))
-            except _RetryableError as e:
-                stream.cancel()
-                await self._retry_pause(e, attempt)
-                attempt += 1
-                continue
-            lease.ended[i] = True
-            await _read_to_end(stream)
-            return items
+        """Prompt ``i``'s every item; retried as a whole, since nothing was sent yet."""
+        items = await self._attempt(lease, i, engine_req, n, self._collect)
+        lease.ended[i] = True
+        await _read_to_end(lease.streams[i])
+        return items
+
+    async def _collect(self, stream: Any, offset: int) -> list[dict[str, Any]]:
+        items = [await self._next_item(stream, offset)]
+        while not items[-1]["done"]:
+            items.append(await self._next_item(stream, offset))
+        return items
 
     async def _next_item(self, stream: Any, offset: int = 0) -> dict[str, Any]:
         """The stream's next item, its choice index moved up by ``offset`` (the prompt's first

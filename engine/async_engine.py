@@ -161,8 +161,12 @@ class AsyncEngine:
                     # Gather until the window closes, but never hold back the final delta.
                     deadline = last_yield + window
                     while not _ends(batch) and (remaining := deadline - time.monotonic()) > 0:
+                        # Not asyncio.wait_for: on Python 3.11 it can swallow a cancellation
+                        # that lands as the item arrives, and a stream cancelled by
+                        # merge_streams would then run on to its end.
                         try:
-                            batch.append(await asyncio.wait_for(stream.queue.get(), remaining))
+                            async with asyncio.timeout(remaining):
+                                batch.append(await stream.queue.get())
                         except TimeoutError:
                             break
                 while not _ends(batch) and not stream.queue.empty():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 from typing import Any
 
 import pytest
@@ -361,3 +362,46 @@ def test_replica_background_work_runs_outside_the_request_context() -> None:
         return await _detached(read())
 
     assert asyncio.run(run()) is None
+
+
+class EndlessEngine:
+    """An AsyncEngine stand-in whose every request streams a token each 10 ms, forever."""
+
+    error = None
+
+    async def generate(self, request_id: str, prompt: list[int], params: Any, **_: Any):
+        from engine.outputs import RequestDelta
+
+        for n in itertools.count(1):
+            await asyncio.sleep(0.01)
+            yield [RequestDelta(request_id, [7], "x", False, None, len(prompt), n, 0)]
+
+
+def test_request_timeout_ends_the_stream_even_while_the_consumer_is_busy() -> None:
+    """The deadline passes while the replica's generator waits at a yield for its consumer (the
+    consumer is slower than the engine): every choice still ends with finish_reason timeout,
+    rather than the consumer being cancelled wherever it happened to be."""
+    from unittest.mock import Mock
+
+    from deployments.engine_replica import EngineReplica
+
+    replica = object.__new__(EngineReplica)
+    replica.args = AppArgs.model_validate({"limits": {"request_timeout_s": 0.2}})
+    replica.async_engine = EndlessEngine()
+    replica.kv_sharing = None
+    replica.coalesce_s = 0.0
+    replica.replica_id = "r1"
+    replica.metrics = Mock()
+
+    async def consume() -> list[dict[str, Any]]:
+        items = []
+        async for item in replica._generate(EngineRequest("a", [5, 6], {}, timeout_s=0.2, n=2)):
+            items.append(item)
+            await asyncio.sleep(0.05)
+        return items
+
+    items = asyncio.run(consume())
+    ends = [i for i in items if i["finished"]]
+    assert sorted(i["index"] for i in ends) == [0, 1]
+    assert all(i["finish_reason"] == "timeout" for i in ends)
+    assert items[-1]["done"] and sum(i["done"] for i in items) == 1

@@ -53,6 +53,26 @@ def total(m: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
     return sum(v for (n, lab), v in m.items() if n == name and want <= set(lab))
 
 
+def streamed_completion(base_url: str, prompt: object, max_tokens: int) -> list[dict]:
+    """A raw streamed greedy completion with usage: its chunks, after checking the SSE framing."""
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers.get("x-engine-replica")
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
 def test_models_health_and_unknown_route(base_url: str, client: OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == ["tiny"]
     health = httpx.get(f"{base_url}/health")
@@ -92,22 +112,7 @@ def test_chat_streamed_equals_non_streamed(client: OpenAI) -> None:
 
 
 def test_completions_raw_sse_and_token_prompt(base_url: str, client: OpenAI) -> None:
-    body = {
-        "model": "tiny",
-        "prompt": [5, 17, 300, 42, 9, 1000],
-        "max_tokens": 12,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        assert r.headers.get("x-engine-replica")
-        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
+    chunks = streamed_completion(base_url, [5, 17, 300, 42, 9, 1000], 12)
     assert chunks[-1]["usage"]["prompt_tokens"] == 6
     assert chunks[-1]["usage"]["completion_tokens"] == 12
     streamed = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
@@ -344,20 +349,7 @@ def test_several_prompts_streamed_and_not(base_url: str, client: OpenAI) -> None
     assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
     assert batch.usage.completion_tokens == 6 * 5
 
-    body = {
-        "model": "tiny",
-        "prompt": prompts,
-        "max_tokens": 5,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
+    chunks = streamed_completion(base_url, prompts, 5)
     texts = ["", "", ""]
     for chunk in chunks:
         for choice in chunk["choices"]:
