@@ -102,9 +102,10 @@ def test_unrelated_prompts_spread(base_url: str) -> None:
     prompts = [
         [rng.randrange(100, 40000) for _ in range(rng.randrange(40, 120))] for _ in range(40)
     ]
-    # Long enough that requests overlap, so the router's load estimate decides: with requests
-    # over before the next arrives, both replicas look idle and each choice is a coin flip.
-    results = asyncio.run(_run(base_url, prompts, concurrency=4, max_tokens=16))
+    # Long enough that requests overlap (128 tokens: ~250 ms each, arrivals 50 ms apart), so the
+    # router's load estimate decides. With 16 tokens a request took ~35 ms, over before the next
+    # arrived: both replicas looked idle and the split drifted as far as 30 / 10.
+    results = asyncio.run(_run(base_url, prompts, concurrency=4, max_tokens=128))
     counts = collections.Counter(r["replica"] for r in results)
     assert len(counts) == 2
     assert max(counts.values()) <= 0.65 * len(prompts), counts
