@@ -66,7 +66,7 @@ def fp32_kernels(rows: int, layers: int = 8, repeat: int = 3) -> dict[str, float
     weights = [torch.randn(n, k) * 0.02 for _ in range(layers) for n, k in LAYER_SHAPES]
     packed = [pack_weight(w) for w in weights]
     xs = {k: torch.randn(rows, k) for _, k in LAYER_SHAPES}
-    if any(p is None for p in packed):
+    if any(p is None or p.onednn is None for p in packed):
         return {}
 
     def mkl() -> None:
@@ -75,7 +75,7 @@ def fp32_kernels(rows: int, layers: int = 8, repeat: int = 3) -> dict[str, float
 
     def onednn() -> None:
         for w, p in zip(weights, packed, strict=True):
-            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p.onednn, None, "none", [], "")
 
     return {
         "mkl_ms": round(best_of(mkl, repeat) * 1e3, 2),

@@ -1,5 +1,6 @@
 """Optional native (C, OpenMP) kernels, loaded through ctypes: paged attention over a flat batch,
-a row-wise argmax for greedy sampling, and fused elementwise ops (``engine.model.fused``).
+a row-wise argmax for greedy sampling, fused elementwise ops (``engine.model.fused``) and bf16
+linear layers on AMX for decode-sized batches (``engine.model.linear``).
 
 The kernel is compiled on first use with the system C compiler (``$CC`` or ``cc``) into the cache
 directory, keyed by a hash of its source, the compiler flags and the CPU, so a process builds it
@@ -32,7 +33,12 @@ from engine.cpuinfo import cpu_flags
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention.c", CSRC / "fused_ops.c", CSRC / "argmax.c")
+SOURCES = (
+    CSRC / "paged_attention.c",
+    CSRC / "fused_ops.c",
+    CSRC / "argmax.c",
+    CSRC / "amx_linear.c",
+)
 HEADERS = (CSRC / "bf16.h", CSRC / "vec16.h")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -133,6 +139,12 @@ def load() -> ctypes.CDLL | None:
     lib.write_kv_cache.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]
     lib.merge_attention.restype = None
     lib.merge_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i64, i64, i32, i32]
+    lib.amx_linear_available.restype = i32
+    lib.amx_linear_available.argtypes = []
+    lib.amx_pack_weight.restype = None
+    lib.amx_pack_weight.argtypes = [ptr, i64, i64, ptr]
+    lib.amx_linear.restype = i32
+    lib.amx_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, i32]
     for suffix in ("bf16", "f32"):
         norm = getattr(lib, f"add_rms_norm_{suffix}")
         norm.restype = None
@@ -171,6 +183,55 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 def available() -> bool:
     return load() is not None
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether :func:`amx_linear` runs here: the library was built for a CPU with AMX (bf16) and
+    Linux granted the process the tile state."""
+    lib = load()
+    return lib is not None and bool(lib.amx_linear_available())
+
+
+def amx_pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight [out, in]`` (bf16, CPU) in the tile layout :func:`amx_linear` streams (see
+    ``csrc/amx_linear.c``), or None without AMX."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not amx_available():
+        return None
+    lib = load()
+    assert lib is not None
+    n, k = weight.shape
+    w = weight.detach().contiguous()
+    out = torch.empty(-(-n // 32) * 2 * -(-k // 32) * 512, dtype=torch.bfloat16)
+    lib.amx_pack_weight(w.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor | None:
+    """``x [rows, in] @ weight.T`` in bf16 with float32 sums, from :func:`amx_pack_weight`'s
+    copy of ``weight``; None (the caller falls back) when ``x`` is not a bf16 CPU matrix with
+    contiguous rows or the kernel cannot run."""
+    lib = load()
+    if lib is None or x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    rows, k = x.shape
+    if packed.numel() != -(-out_features // 32) * 2 * -(-k // 32) * 512:
+        raise ValueError(f"amx_linear: packed weight does not match [{out_features}, {k}]")
+    y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    if rows == 0:
+        return y
+    rc = lib.amx_linear(
+        x.data_ptr(),
+        rows,
+        k,
+        x.stride(0),
+        packed.data_ptr(),
+        out_features,
+        y.data_ptr(),
+        y.stride(0),
+        torch.get_num_threads(),
+    )
+    return y if rc == 0 else None
 
 
 def paged_attention(

@@ -13,16 +13,23 @@ emulated at roughly the cost of one matrix-vector product per input row: at 64 r
 5-6x float32's time for this model's shapes, at 2,048 rows 9x. Past a few rows :func:`linear`
 therefore widens the bf16 weight to float32 a slice at a time, multiplies in float32 and rounds
 the output to bf16 (see :func:`upcast_linear`).
+
+On a CPU with AMX, bf16 inputs of up to ``AMX_MAX_ROWS`` rows (decode steps) take this
+project's AMX kernel instead (``csrc/amx_linear.c``): with its own tile layout of the weight it
+streams the weights ~1.1-1.3x faster than oneDNN at 1-64 rows, where a step is bound by reading
+them. That layout is a third copy of the bf16 weights in memory.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from engine.attention import native
 from engine.cpuinfo import cpu_has_bf16, cpu_vendor
 
 logger = logging.getLogger(__name__)
@@ -64,11 +71,36 @@ UPCAST_SLICE_ELEMS = 1 << 20
 _scratch = threading.local()
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A oneDNN-packed copy of ``weight [out, in]`` (bf16 or fp32, CPU), or None when not
-    supported."""
+# bf16 inputs of up to this many rows take the AMX kernel where it runs: it beat oneDNN from 1
+# to 64 rows, tied at 128 and lost at 256 (``python -m benchmarks.floors``, Sapphire Rapids).
+AMX_MAX_ROWS = 96
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """Copies of one linear weight ``[out_features, in]``, made once from it at load time and
+    stale as soon as it changes: ``onednn`` in oneDNN's blocked layout (bf16 at any rows, fp32 at
+    ``FP32_PACKED_ROWS``), ``amx`` in the AMX kernel's tiles (bf16, up to ``AMX_MAX_ROWS`` rows,
+    None without AMX). At least one is set."""
+
+    onednn: torch.Tensor | None
+    amx: torch.Tensor | None
+    out_features: int
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """The packed copies of ``weight [out, in]`` (bf16 or fp32, CPU) that this machine can use,
+    or None when there are none."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
+    amx = native.amx_pack_weight(weight) if weight.dtype == torch.bfloat16 else None
+    onednn = _onednn_pack(weight)
+    if onednn is None and amx is None:
+        return None
+    return PackedWeight(onednn, amx, weight.shape[0])
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
     if not _ops_available():
         return None
     try:
@@ -90,8 +122,18 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    packed: torch.Tensor | None = None,
+    packed: PackedWeight | None = None,
 ) -> torch.Tensor:
+    if (
+        packed is not None
+        and packed.amx is not None
+        and bias is None
+        and x.dtype == torch.bfloat16
+        and x.shape[0] <= AMX_MAX_ROWS
+    ):
+        y = native.amx_linear(x, packed.amx, packed.out_features)
+        if y is not None:
+            return y
     if (
         x.dtype == torch.bfloat16
         and BF16_EMULATED_MAX_ROWS is not None
@@ -99,11 +141,12 @@ def linear(
         and x.is_cpu
     ):
         return upcast_linear(x, weight, bias)
-    if packed is None or x.dtype != packed.dtype:
+    onednn = packed.onednn if packed is not None else None
+    if onednn is None or x.dtype != onednn.dtype:
         return F.linear(x, weight, bias)
     if x.dtype == torch.float32 and x.shape[0] not in FP32_PACKED_ROWS:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
 
 
 def upcast_linear(

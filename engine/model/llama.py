@@ -14,7 +14,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.model import fused
 from engine.model.config import ModelConfig
-from engine.model.linear import linear, pack_weight
+from engine.model.linear import PackedWeight, linear, pack_weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,8 +52,9 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = param(2 * cfg.intermediate_size) if cfg.mlp_bias else None
         self.down = param(h, cfg.intermediate_size)
         self.down_bias = param(h) if cfg.mlp_bias else None
-        # oneDNN-packed copies of the weights (plain attributes, not parameters), or None.
-        self.packed: dict[str, torch.Tensor | None] = dict.fromkeys(LINEAR_WEIGHTS)
+        # Packed copies of the weights for the CPU kernels (plain attributes, not parameters),
+        # or None.
+        self.packed: dict[str, PackedWeight | None] = dict.fromkeys(LINEAR_WEIGHTS)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -74,7 +75,7 @@ class LlamaForCausalLM(nn.Module):
             )
         )
         self.scale = cfg.head_dim**-0.5
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: PackedWeight | None = None
         # Fused native elementwise kernels on CPU (engine.model.fused); a switch so
         # tests can compare against the reference ops.
         self.use_fused = True
@@ -159,10 +160,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def prepack_linear_weights(self) -> bool:
-        """Pack every linear weight for oneDNN (bf16 on CPU). Call after loading weights and
-        moving the model; returns whether packing is in use. The original parameters stay (the
-        embedding shares the LM head's weight; reloading weights needs them) and are what
-        non-bf16 inputs use."""
+        """Pack every linear weight for the CPU kernels (oneDNN; AMX too in bf16). Call after
+        loading weights and moving the model; returns whether packing is in use. The original
+        parameters stay (the embedding shares the LM head's weight; reloading weights needs
+        them) and are what other inputs use."""
         self.lm_head_packed = pack_weight(self.lm_head)
         if self.lm_head_packed is None:
             return False

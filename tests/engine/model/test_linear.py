@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.attention import native
 from engine.model import linear as lin
 
 
@@ -96,3 +97,70 @@ def test_bf16_rows_past_the_limit_take_the_float32_path(
     lin.linear(torch.randn(rows, 16).bfloat16(), weight.bfloat16())
     lin.linear(torch.randn(rows, 16), weight)
     assert calls == ([rows] if upcast else [])
+
+
+needs_amx = pytest.mark.skipif(
+    not native.amx_available(), reason="needs a CPU with AMX (bf16) and the native kernels"
+)
+
+
+def test_bf16_weights_get_an_amx_copy_exactly_where_amx_runs() -> None:
+    packed = lin.pack_weight((torch.randn(64, 32) * 0.1).bfloat16())
+    assert packed is not None and packed.out_features == 64
+    assert (packed.amx is not None) == native.amx_available()
+    fp32 = lin.pack_weight(torch.randn(64, 32))
+    assert fp32 is None or fp32.amx is None
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 96, 130])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (200, 48), (64, 1536)])
+def test_amx_linear_is_the_float32_product_rounded_to_bf16(
+    rows: int, out_features: int, in_features: int
+) -> None:
+    """Partial tiles on every side (rows, outputs past a pair of 16-blocks, inputs past 32) and
+    an input whose rows are a view into a wider tensor."""
+    gen = torch.Generator().manual_seed(rows * out_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.1).bfloat16()
+    wide = torch.randn(rows, in_features + 8, generator=gen).bfloat16()
+    x = wide[:, 3 : 3 + in_features]
+    amx = native.amx_pack_weight(weight)
+    assert amx is not None
+    got = native.amx_linear(x, amx, out_features)
+    assert got is not None and got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    expected = F.linear(x.float(), weight.float()).bfloat16()
+    torch.testing.assert_close(got, expected)
+    assert (got != expected).float().mean() < 0.01  # the same rounding but for the sum order
+    with pytest.raises(ValueError, match="does not match"):
+        native.amx_linear(x, amx, out_features + 32)
+
+
+@pytest.mark.parametrize(
+    ("rows", "dtype", "with_bias", "amx"),
+    [
+        (1, torch.bfloat16, False, True),
+        (lin.AMX_MAX_ROWS, torch.bfloat16, False, True),
+        (lin.AMX_MAX_ROWS + 1, torch.bfloat16, False, False),
+        (4, torch.bfloat16, True, False),
+        (4, torch.float32, False, False),
+    ],
+    ids=["one-row", "at-the-limit", "prefill", "bias", "float32"],
+)
+def test_only_bf16_decode_rows_without_bias_take_the_amx_kernel(
+    monkeypatch: pytest.MonkeyPatch, rows: int, dtype: torch.dtype, with_bias: bool, amx: bool
+) -> None:
+    calls: list[int] = []
+
+    def spy(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return torch.zeros(x.shape[0], out_features, dtype=x.dtype)
+
+    monkeypatch.setattr(native, "amx_linear", spy)
+    weight = torch.randn(8, 16).to(dtype)
+    bias = torch.randn(8).to(dtype) if with_bias else None
+    packed = lin.PackedWeight(onednn=None, amx=torch.empty(0, dtype=torch.bfloat16), out_features=8)
+    x = torch.randn(rows, 16).to(dtype)
+    got = lin.linear(x, weight, bias, packed)
+    assert calls == ([rows] if amx else [])
+    if not amx:
+        torch.testing.assert_close(got, F.linear(x, weight, bias))

@@ -1,0 +1,185 @@
+/* bf16 linear layers on AMX for decode-sized batches: y[M, N] = x[M, K] . W[N, K]^T, float32
+ * sums rounded once to bf16 (round to nearest even, as oneDNN and torch round).
+ *
+ * At a few dozen rows a decode step's matmuls are bound by streaming the weights from memory,
+ * yet oneDNN's packed kernel reached only ~40% of the read bandwidth at 64 rows for this model's
+ * shapes (K = 576 or 1536), spending its time around small calls. Here the weight is repacked
+ * once into 1 KiB tiles that lie in the order the kernel reads them, so each thread streams one
+ * contiguous run of memory, and every tile of weights is multiplied with all row tiles of x while
+ * it is in L1.
+ *
+ * Packed layout (amx_pack_weight): for n-block nb (16 output features) and k-block kb (32 input
+ * features), tile (nb, kb) sits at element (nb * KB + kb) * 512 and holds
+ * tile[p][n][j] = W[16 nb + n][32 kb + 2 p + j] for p < 16, n < 16, j < 2: the pairs-of-rows
+ * ("VNNI") layout AMX wants for its second operand. Features past N or K are zero.
+ *
+ * Tile registers: 0-3 sums (16 rows x 16 features, float32), 4-5 rows of x, 6-7 weights. */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <omp.h>
+#include <stdlib.h>
+
+static int amx_linear_state = 0; /* 0 unknown, 1 usable, -1 not */
+
+int amx_linear_available(void) {
+    if (amx_linear_state == 0) {
+        /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): per process. */
+        amx_linear_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    }
+    return amx_linear_state == 1;
+}
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_cfg;
+
+static void configure_tiles(void) {
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+void amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
+    /* Whole pairs of n-blocks: the kernel reads two at a time. */
+    const int64_t NB = (n + 31) / 32 * 2, KB = (k + 31) / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < NB; nb++)
+        for (int64_t kb = 0; kb < KB; kb++) {
+            uint16_t *tile = out + (nb * KB + kb) * 512;
+            for (int p = 0; p < 16; p++)
+                for (int c = 0; c < 16; c++)
+                    for (int j = 0; j < 2; j++) {
+                        const int64_t row = 16 * nb + c, col = 32 * kb + 2 * p + j;
+                        tile[(p * 16 + c) * 2 + j] = row < n && col < k ? w[row * k + col] : 0;
+                    }
+        }
+}
+
+
+
+#define PREFETCH_PAIRS 4
+/* x: [m, k] with row stride x_stride (elements); wp: amx_pack_weight's output for [n, k];
+ * y: [m, n] with row stride y_stride. Returns 0, or -1 without AMX or memory.
+ *
+ * Each pass computes 32 rows x 32 features as 2 x 2 sum tiles from two tiles of x and two of
+ * weights per 32 inputs: four multiplies per four loads, and no load waits on a multiply that
+ * still reads the register it refills (one x register reloaded four times measured half the
+ * rate at 64 rows). */
+int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const uint16_t *wp,
+               int64_t n, uint16_t *y, int64_t y_stride, int num_threads) {
+    if (!amx_linear_available()) return -1;
+    const int64_t KB = (k + 31) / 32, NP = (n + 31) / 32; /* n-block pairs */
+    const int64_t kp = KB * 32, mp = (m + 15) / 16 * 16;
+    /* x in tiles of 16 rows x 32 inputs (1 KiB, contiguous), zeros past m and k:
+     * xs[(rb * KB + kb) * 512 + r * 32 + c] = x[16 rb + r][32 kb + c]. */
+    uint16_t *xs = (uint16_t *)aligned_alloc(64, (size_t)(mp * kp * 2 + 64));
+    if (xs == NULL) return -1;
+    for (int64_t r = 0; r < mp; r++)
+        for (int64_t kb = 0; kb < KB; kb++) {
+            uint16_t *dst = xs + ((r / 16) * KB + kb) * 512 + (r % 16) * 32;
+            const int64_t c0 = 32 * kb, nc = k - c0 < 32 ? k - c0 : 32;
+            if (r < m) {
+                memcpy(dst, x + r * x_stride + c0, (size_t)nc * 2);
+                if (nc < 32) memset(dst + nc, 0, (size_t)(32 - nc) * 2);
+            } else {
+                memset(dst, 0, 64);
+            }
+        }
+    if (num_threads > NP) num_threads = (int)NP;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        configure_tiles();
+        const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        /* Contiguous pairs per thread: each streams one run of the packed weight. */
+        const int64_t p0 = NP * tid / nt, p1 = NP * (tid + 1) / nt;
+        float st[16 * 16] __attribute__((aligned(64)));
+        for (int64_t pair = p0; pair < p1; pair++) {
+            const uint16_t *w0 = wp + 2 * pair * KB * 512, *w1 = w0 + KB * 512;
+            for (int64_t r0 = 0; r0 < mp; r0 += 32) {
+                const int two_rows = mp - r0 > 16;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                const uint16_t *xa = xs + (r0 / 16) * KB * 512, *xb = xa + KB * 512;
+                for (int64_t kb = 0; kb < KB; kb++) {
+                    if (r0 == 0 && pair + PREFETCH_PAIRS < p1) {
+                        /* The next pair's tiles, one pair ahead: without this the loads wait
+                         * on memory with the tile unit idle (~half the rate at 64 rows). */
+                        const char *nx = (const char *)(w0 + PREFETCH_PAIRS * 2 * KB * 512 + kb * 512);
+                        for (int l = 0; l < 1024; l += 64) {
+                            _mm_prefetch(nx + l, _MM_HINT_T1);
+                            _mm_prefetch(nx + KB * 1024 + l, _MM_HINT_T1);
+                        }
+                    }
+                    _tile_loadd(6, w0 + kb * 512, 64);
+                    _tile_loadd(7, w1 + kb * 512, 64);
+                    _tile_loadd(4, xa + kb * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    if (two_rows) {
+                        _tile_loadd(5, xb + kb * 512, 64);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                for (int t = 0; t < (two_rows ? 4 : 2); t++) {
+                    /* Tile indices must be constants. */
+                    switch (t) {
+                    case 0: _tile_stored(0, st, 64); break;
+                    case 1: _tile_stored(1, st, 64); break;
+                    case 2: _tile_stored(2, st, 64); break;
+                    default: _tile_stored(3, st, 64); break;
+                    }
+                    const int64_t row0 = r0 + 16 * (t / 2), col0 = 32 * pair + 16 * (t % 2);
+                    if (col0 >= n) continue;
+                    const int64_t cols = n - col0 < 16 ? n - col0 : 16;
+                    const __mmask16 keep = (__mmask16)((1u << cols) - 1u);
+                    const int rows = m - row0 < 16 ? (int)(m - row0) : 16;
+                    for (int r = 0; r < rows; r++) {
+                        const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(st + 16 * r));
+                        uint16_t *dst = y + (row0 + r) * y_stride + col0;
+                        if (cols == 16)
+                            _mm256_storeu_si256((__m256i *)dst, v);
+                        else
+                            _mm256_mask_storeu_epi16(dst, keep, v);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(xs);
+    return 0;
+}
+
+#else
+
+int amx_linear_available(void) { return 0; }
+
+void amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
+    (void)w; (void)n; (void)k; (void)out;
+}
+
+int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const uint16_t *wp,
+               int64_t n, uint16_t *y, int64_t y_stride, int num_threads) {
+    (void)x; (void)m; (void)k; (void)x_stride; (void)wp; (void)n; (void)y; (void)y_stride;
+    (void)num_threads;
+    return -1;
+}
+
+#endif
