@@ -39,7 +39,7 @@ SOURCES = (
     CSRC / "argmax.c",
     CSRC / "amx_linear.c",
 )
-HEADERS = (CSRC / "bf16.h", CSRC / "vec16.h")
+HEADERS = (CSRC / "bf16.h", CSRC / "bf16x16.h", CSRC / "vec16.h")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
@@ -142,9 +142,9 @@ def load() -> ctypes.CDLL | None:
     lib.amx_linear_available.restype = i32
     lib.amx_linear_available.argtypes = []
     lib.amx_pack_weight.restype = None
-    lib.amx_pack_weight.argtypes = [ptr, i64, i64, ptr]
+    lib.amx_pack_weight.argtypes = [ptr, i64, i64, i32, ptr]
     lib.amx_linear.restype = i32
-    lib.amx_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, i32]
+    lib.amx_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, i32, ptr, i64, i32]
     for suffix in ("bf16", "f32"):
         norm = getattr(lib, f"add_rms_norm_{suffix}")
         norm.restype = None
@@ -193,31 +193,43 @@ def amx_available() -> bool:
     return lib is not None and bool(lib.amx_linear_available())
 
 
-def amx_pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+def _amx_packed_numel(out_features: int, in_features: int, gated: bool) -> int:
+    pairs = -(-out_features // 2 // 16) if gated else -(-out_features // 32)
+    return pairs * 2 * -(-in_features // 32) * 512
+
+
+def amx_pack_weight(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
     """``weight [out, in]`` (bf16, CPU) in the tile layout :func:`amx_linear` streams (see
-    ``csrc/amx_linear.c``), or None without AMX."""
+    ``csrc/amx_linear.c``), or None without AMX. ``gated``: the weight is ``[gate; up]`` (an
+    even number of rows) and the copy is for :func:`amx_linear`'s SiLU epilogue only."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not amx_available():
         return None
+    n, k = weight.shape
+    if gated and n % 2:
+        raise ValueError(f"amx_pack_weight: a gated weight has an even number of rows, got {n}")
     lib = load()
     assert lib is not None
-    n, k = weight.shape
     w = weight.detach().contiguous()
-    out = torch.empty(-(-n // 32) * 2 * -(-k // 32) * 512, dtype=torch.bfloat16)
-    lib.amx_pack_weight(w.data_ptr(), n, k, out.data_ptr())
+    out = torch.empty(_amx_packed_numel(n, k, gated), dtype=torch.bfloat16)
+    lib.amx_pack_weight(w.data_ptr(), n, k, int(gated), out.data_ptr())
     return out
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor | None:
+def amx_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, gated: bool = False
+) -> torch.Tensor | None:
     """``x [rows, in] @ weight.T`` in bf16 with float32 sums, from :func:`amx_pack_weight`'s
-    copy of ``weight``; None (the caller falls back) when ``x`` is not a bf16 CPU matrix with
-    contiguous rows or the kernel cannot run."""
+    copy of ``weight [out_features, in]``; with ``gated``, ``silu(gate) * up`` of that product
+    instead (``[rows, out_features / 2]``, rounded as the eager bf16 ops round). None (the caller
+    falls back) when ``x`` is not a bf16 CPU matrix with contiguous rows or the kernel cannot
+    run."""
     lib = load()
     if lib is None or x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
         return None
     rows, k = x.shape
-    if packed.numel() != -(-out_features // 32) * 2 * -(-k // 32) * 512:
+    if packed.numel() != _amx_packed_numel(out_features, k, gated):
         raise ValueError(f"amx_linear: packed weight does not match [{out_features}, {k}]")
-    y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    y = torch.empty(rows, out_features // 2 if gated else out_features, dtype=torch.bfloat16)
     if rows == 0:
         return y
     rc = lib.amx_linear(
@@ -227,6 +239,7 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torc
         x.stride(0),
         packed.data_ptr(),
         out_features,
+        int(gated),
         y.data_ptr(),
         y.stride(0),
         torch.get_num_threads(),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -81,23 +82,25 @@ class PackedWeight:
     """Copies of one linear weight ``[out_features, in]``, made once from it at load time and
     stale as soon as it changes: ``onednn`` in oneDNN's blocked layout (bf16 at any rows, fp32 at
     ``FP32_PACKED_ROWS``), ``amx`` in the AMX kernel's tiles (bf16, up to ``AMX_MAX_ROWS`` rows,
-    None without AMX). At least one is set."""
+    None without AMX). At least one is set. ``gated``: the weight is an MLP's ``[gate; up]`` and
+    ``amx`` serves :func:`silu_mul_linear` only (its tiles pair gate and up features)."""
 
     onednn: torch.Tensor | None
     amx: torch.Tensor | None
     out_features: int
+    gated: bool = False
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+def pack_weight(weight: torch.Tensor, gated: bool = False) -> PackedWeight | None:
     """The packed copies of ``weight [out, in]`` (bf16 or fp32, CPU) that this machine can use,
-    or None when there are none."""
+    or None when there are none. ``gated``: ``weight`` is ``[gate; up]`` (see PackedWeight)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
-    amx = native.amx_pack_weight(weight) if weight.dtype == torch.bfloat16 else None
+    amx = native.amx_pack_weight(weight, gated) if weight.dtype == torch.bfloat16 else None
     onednn = _onednn_pack(weight)
     if onednn is None and amx is None:
         return None
-    return PackedWeight(onednn, amx, weight.shape[0])
+    return PackedWeight(onednn, amx, weight.shape[0], gated)
 
 
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -124,13 +127,7 @@ def linear(
     bias: torch.Tensor | None = None,
     packed: PackedWeight | None = None,
 ) -> torch.Tensor:
-    if (
-        packed is not None
-        and packed.amx is not None
-        and bias is None
-        and x.dtype == torch.bfloat16
-        and x.shape[0] <= AMX_MAX_ROWS
-    ):
+    if _takes_amx(x, bias, packed) and not packed.gated:
         y = native.amx_linear(x, packed.amx, packed.out_features)
         if y is not None:
             return y
@@ -147,6 +144,33 @@ def linear(
     if x.dtype == torch.float32 and x.shape[0] not in FP32_PACKED_ROWS:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
+
+
+def silu_mul_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: PackedWeight | None,
+) -> torch.Tensor | None:
+    """``silu(gate) * up`` of ``linear(x, weight, bias, packed)`` for an MLP's ``[gate; up]``
+    weight packed with ``gated=True``, in one pass over the weights on AMX: the product's
+    ``[rows, 2 * inter]`` is never written. None where that path does not apply (the caller
+    computes the two steps)."""
+    if not (_takes_amx(x, bias, packed) and packed.gated):
+        return None
+    return native.amx_linear(x, packed.amx, packed.out_features, gated=True)
+
+
+def _takes_amx(
+    x: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
+) -> TypeGuard[PackedWeight]:
+    return (
+        packed is not None
+        and packed.amx is not None
+        and bias is None
+        and x.dtype == torch.bfloat16
+        and x.shape[0] <= AMX_MAX_ROWS
+    )
 
 
 def upcast_linear(

@@ -14,7 +14,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.model import fused
 from engine.model.config import ModelConfig
-from engine.model.linear import PackedWeight, linear, pack_weight
+from engine.model.linear import PackedWeight, linear, pack_weight, silu_mul_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -150,8 +150,11 @@ class LlamaForCausalLM(nn.Module):
             attn = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
             o = linear(attn.reshape(t, q_size), layer.o, layer.o_bias, packed["o"])
             h = fused.add_rms_norm(x, o, layer.post_norm, eps)
-            gate_up = linear(h, layer.gate_up, layer.gate_up_bias, packed["gate_up"])
-            delta = linear(fused.silu_mul(gate_up), layer.down, layer.down_bias, packed["down"])
+            act = silu_mul_linear(h, layer.gate_up, layer.gate_up_bias, packed["gate_up"])
+            if act is None:
+                gate_up = linear(h, layer.gate_up, layer.gate_up_bias, packed["gate_up"])
+                act = fused.silu_mul(gate_up)
+            delta = linear(act, layer.down, layer.down_bias, packed["down"])
         return fused.add_rms_norm(x, delta, self.norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -168,7 +171,10 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head_packed is None:
             return False
         for layer in self.layers:
-            layer.packed = {name: pack_weight(getattr(layer, name)) for name in LINEAR_WEIGHTS}
+            layer.packed = {
+                name: pack_weight(getattr(layer, name), gated=name == "gate_up")
+                for name in LINEAR_WEIGHTS
+            }
         return True
 
     # -- weights ---------------------------------------------------------------------------------

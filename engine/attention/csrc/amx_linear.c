@@ -25,6 +25,8 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "bf16x16.h"
+
 static int amx_linear_state = 0; /* 0 unknown, 1 usable, -1 not */
 
 int amx_linear_available(void) {
@@ -52,36 +54,46 @@ static void configure_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
-void amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
-    /* Whole pairs of n-blocks: the kernel reads two at a time. */
-    const int64_t NB = (n + 31) / 32 * 2, KB = (k + 31) / 32;
+/* First weight row of n-block b: consecutive blocks, or for a gated weight ([gate; up], n = 2 *
+ * inter) gate block b / 2 and up block b / 2 alternating, so that each pair the kernel reads
+ * holds the gate and the up features of the same 16 outputs. */
+static inline int64_t block_row(int64_t b, int64_t n, int gated) {
+    return gated ? (b & 1 ? n / 2 : 0) + 16 * (b >> 1) : 16 * b;
+}
+
+void amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, int gated, uint16_t *out) {
+    const int64_t NB = 2 * (gated ? (n / 2 + 15) / 16 : (n + 31) / 32), KB = (k + 31) / 32;
 #pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < NB; nb++)
+    for (int64_t nb = 0; nb < NB; nb++) {
+        const int64_t first = block_row(nb, n, gated);
+        /* Rows of this block's half (all of W when not gated). */
+        const int64_t end = gated ? (nb & 1 ? n : n / 2) : n;
         for (int64_t kb = 0; kb < KB; kb++) {
             uint16_t *tile = out + (nb * KB + kb) * 512;
             for (int p = 0; p < 16; p++)
                 for (int c = 0; c < 16; c++)
                     for (int j = 0; j < 2; j++) {
-                        const int64_t row = 16 * nb + c, col = 32 * kb + 2 * p + j;
-                        tile[(p * 16 + c) * 2 + j] = row < n && col < k ? w[row * k + col] : 0;
+                        const int64_t row = first + c, col = 32 * kb + 2 * p + j;
+                        tile[(p * 16 + c) * 2 + j] = row < end && col < k ? w[row * k + col] : 0;
                     }
         }
+    }
 }
-
-
 
 #define PREFETCH_PAIRS 4
 /* x: [m, k] with row stride x_stride (elements); wp: amx_pack_weight's output for [n, k];
- * y: [m, n] with row stride y_stride. Returns 0, or -1 without AMX or memory.
+ * y: [m, n] with row stride y_stride, or when gated [m, n / 2] = silu(gate) * up, rounded as
+ * the eager bf16 ops round (silu_mul16). Returns 0, or -1 without AMX or memory.
  *
  * Each pass computes 32 rows x 32 features as 2 x 2 sum tiles from two tiles of x and two of
  * weights per 32 inputs: four multiplies per four loads, and no load waits on a multiply that
  * still reads the register it refills (one x register reloaded four times measured half the
  * rate at 64 rows). */
 int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const uint16_t *wp,
-               int64_t n, uint16_t *y, int64_t y_stride, int num_threads) {
+               int64_t n, int gated, uint16_t *y, int64_t y_stride, int num_threads) {
     if (!amx_linear_available()) return -1;
-    const int64_t KB = (k + 31) / 32, NP = (n + 31) / 32; /* n-block pairs */
+    const int64_t KB = (k + 31) / 32;
+    const int64_t NP = gated ? (n / 2 + 15) / 16 : (n + 31) / 32; /* n-block pairs */
     const int64_t kp = KB * 32, mp = (m + 15) / 16 * 16;
     /* x in tiles of 16 rows x 32 inputs (1 KiB, contiguous), zeros past m and k:
      * xs[(rb * KB + kb) * 512 + r * 32 + c] = x[16 rb + r][32 kb + c]. */
@@ -106,7 +118,7 @@ int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const 
         const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
         /* Contiguous pairs per thread: each streams one run of the packed weight. */
         const int64_t p0 = NP * tid / nt, p1 = NP * (tid + 1) / nt;
-        float st[16 * 16] __attribute__((aligned(64)));
+        float st[16 * 16] __attribute__((aligned(64))), su[16 * 16] __attribute__((aligned(64)));
         for (int64_t pair = p0; pair < p1; pair++) {
             const uint16_t *w0 = wp + 2 * pair * KB * 512, *w1 = w0 + KB * 512;
             for (int64_t r0 = 0; r0 < mp; r0 += 32) {
@@ -118,8 +130,7 @@ int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const 
                 const uint16_t *xa = xs + (r0 / 16) * KB * 512, *xb = xa + KB * 512;
                 for (int64_t kb = 0; kb < KB; kb++) {
                     if (r0 == 0 && pair + PREFETCH_PAIRS < p1) {
-                        /* The next pair's tiles, one pair ahead: without this the loads wait
-                         * on memory with the tile unit idle (~half the rate at 64 rows). */
+                        /* The next pair's tiles into L2, one pair ahead (~5% at 64 rows). */
                         const char *nx = (const char *)(w0 + PREFETCH_PAIRS * 2 * KB * 512 + kb * 512);
                         for (int l = 0; l < 1024; l += 64) {
                             _mm_prefetch(nx + l, _MM_HINT_T1);
@@ -137,6 +148,27 @@ int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const 
                         _tile_dpbf16ps(3, 5, 7);
                     }
                 }
+                if (gated) {
+                    /* Tiles 0 / 2: gate, 1 / 3: up of outputs [16 pair, 16 pair + 16). */
+                    const int64_t col0 = 16 * pair, cols = n / 2 - col0 < 16 ? n / 2 - col0 : 16;
+                    for (int half = 0; half < (two_rows ? 2 : 1); half++) {
+                        if (half == 0) {
+                            _tile_stored(0, st, 64);
+                            _tile_stored(1, su, 64);
+                        } else {
+                            _tile_stored(2, st, 64);
+                            _tile_stored(3, su, 64);
+                        }
+                        const int64_t row0 = r0 + 16 * half;
+                        const int rows = m - row0 < 16 ? (int)(m - row0) : 16;
+                        for (int r = 0; r < rows; r++) {
+                            const __m512 g = rnd_bf(_mm512_load_ps(st + 16 * r));
+                            const __m512 u = rnd_bf(_mm512_load_ps(su + 16 * r));
+                            st_bf(y + (row0 + r) * y_stride + col0, tail(cols), silu_mul16(g, u));
+                        }
+                    }
+                    continue;
+                }
                 for (int t = 0; t < (two_rows ? 4 : 2); t++) {
                     /* Tile indices must be constants. */
                     switch (t) {
@@ -148,16 +180,9 @@ int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const 
                     const int64_t row0 = r0 + 16 * (t / 2), col0 = 32 * pair + 16 * (t % 2);
                     if (col0 >= n) continue;
                     const int64_t cols = n - col0 < 16 ? n - col0 : 16;
-                    const __mmask16 keep = (__mmask16)((1u << cols) - 1u);
                     const int rows = m - row0 < 16 ? (int)(m - row0) : 16;
-                    for (int r = 0; r < rows; r++) {
-                        const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(st + 16 * r));
-                        uint16_t *dst = y + (row0 + r) * y_stride + col0;
-                        if (cols == 16)
-                            _mm256_storeu_si256((__m256i *)dst, v);
-                        else
-                            _mm256_mask_storeu_epi16(dst, keep, v);
-                    }
+                    for (int r = 0; r < rows; r++)
+                        st_bf(y + (row0 + r) * y_stride + col0, tail(cols), _mm512_load_ps(st + 16 * r));
                 }
             }
         }
@@ -171,14 +196,14 @@ int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const 
 
 int amx_linear_available(void) { return 0; }
 
-void amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
-    (void)w; (void)n; (void)k; (void)out;
+void amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, int gated, uint16_t *out) {
+    (void)w; (void)n; (void)k; (void)gated; (void)out;
 }
 
 int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const uint16_t *wp,
-               int64_t n, uint16_t *y, int64_t y_stride, int num_threads) {
-    (void)x; (void)m; (void)k; (void)x_stride; (void)wp; (void)n; (void)y; (void)y_stride;
-    (void)num_threads;
+               int64_t n, int gated, uint16_t *y, int64_t y_stride, int num_threads) {
+    (void)x; (void)m; (void)k; (void)x_stride; (void)wp; (void)n; (void)gated; (void)y;
+    (void)y_stride; (void)num_threads;
     return -1;
 }
 

@@ -9,37 +9,18 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "bf16.h"
+#include "bf16x16.h"
+#include "vec16.h"
+#if defined(HAVE_BF16X16)
 #define FUSED_AVX512 1
 #endif
-
-#include "bf16.h"
-#include "vec16.h"
 
 #define PARALLEL_MIN (1 << 15)
 
 
 static inline float round_bf(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-#if defined(FUSED_AVX512)
-/* 16 bf16 lanes (fewer under mask) widened to float32, and back with round-to-nearest-even
- * (vcvtneps2bf16 rounds as f32_to_bf16 does). */
-static inline __m512 ld_bf(const uint16_t *p, __mmask16 k) {
-    const __m256i h = _mm256_maskz_loadu_epi16(k, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline void st_bf(uint16_t *p, __mmask16 k, __m512 v) {
-    _mm256_mask_storeu_epi16(p, k, (__m256i)_mm512_cvtneps_pbh(v));
-}
-static inline __m512 rnd_bf(__m512 v) {
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline __mmask16 tail(int64_t left) {
-    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-}
-#endif
 
 /* If residual != NULL: x <- x + residual (in place, bf16). Then
  * out = weight * bf16(x * rsqrt(mean(x^2) + eps)), i.e. transformers' LlamaRMSNorm in bf16. */
@@ -125,15 +106,7 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
 #if defined(FUSED_AVX512)
         for (int64_t d = 0; d < inter; d += 16) {
             const __mmask16 k = tail(inter - d);
-            const __m512 x = ld_bf(g + d, k);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-            /* 1 / (1 + e): reciprocal estimate and one Newton step (~1e-7 relative), far
-             * cheaper than a division. */
-            const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
-            __m512 inv = _mm512_rcp14_ps(den);
-            inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.0f)));
-            const __m512 silu = rnd_bf(_mm512_mul_ps(x, inv));
-            st_bf(o + d, k, _mm512_mul_ps(silu, ld_bf(u + d, k)));
+            st_bf(o + d, k, silu_mul16(ld_bf(g + d, k), ld_bf(u + d, k)));
         }
         continue;
 #endif

@@ -164,3 +164,31 @@ def test_only_bf16_decode_rows_without_bias_take_the_amx_kernel(
     assert calls == ([rows] if amx else [])
     if not amx:
         torch.testing.assert_close(got, F.linear(x, weight, bias))
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 17, 64])
+@pytest.mark.parametrize("inter", [64, 40], ids=["whole-tiles", "partial-tile"])
+def test_gated_amx_linear_is_silu_mul_of_the_rounded_product(rows: int, inter: int) -> None:
+    """The SiLU epilogue rounds gate and up to bf16 first, then as ``fused.silu_mul``: the same
+    values as the two steps but for the sum order."""
+    from engine.model import fused
+
+    gen = torch.Generator().manual_seed(rows + inter)
+    weight = (torch.randn(2 * inter, 96, generator=gen) * 0.2).bfloat16()
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    packed = lin.pack_weight(weight, gated=True)
+    assert packed is not None and packed.gated and packed.amx is not None
+    got = lin.silu_mul_linear(x, weight, None, packed)
+    assert got is not None and got.shape == (rows, inter)
+    expected = fused.silu_mul(F.linear(x.float(), weight.float()).bfloat16())
+    torch.testing.assert_close(got, expected)
+    assert (got != expected).float().mean() < 0.02
+    # The plain product of a gated copy comes from oneDNN or F.linear, never the gated tiles.
+    torch.testing.assert_close(lin.linear(x, weight, None, packed), F.linear(x, weight))
+    assert (
+        lin.silu_mul_linear(torch.randn(lin.AMX_MAX_ROWS + 1, 96).bfloat16(), weight, None, packed)
+        is None
+    )
+    with pytest.raises(ValueError, match="even number of rows"):
+        native.amx_pack_weight(weight[1:], gated=True)
