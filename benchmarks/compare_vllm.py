@@ -113,10 +113,37 @@ class Child:
         self.log.close()
 
 
+TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+TCMALLOC_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+)
+
+
+def find_tcmalloc(choice: str) -> str | None:
+    """``auto``: the system's tcmalloc if installed (Debian: ``libtcmalloc-minimal4``), which
+    vLLM's CPU guide asks to preload and its pip build does not bundle; ``none``; or a path."""
+    if choice == "none":
+        return None
+    if choice != "auto":
+        if not Path(choice).is_file():
+            raise SystemExit(f"--vllm-tcmalloc: no such file {choice}")
+        return choice
+    for directory in TCMALLOC_DIRS:
+        for name in TCMALLOC_NAMES:
+            if (Path(directory) / name).is_file():
+                return str(Path(directory) / name)
+    return None
+
+
 def start_vllm(py: Path, model_dir: Path, dtype: str, args: Any) -> Child:
     env = dict(os.environ)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_kv_space_gb)
     env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_threads_bind
+    if args.tcmalloc:
+        env["LD_PRELOAD"] = ":".join(p for p in (args.tcmalloc, env.get("LD_PRELOAD")) if p)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.pop("PYTHONPATH", None)
     cmd = [str(py), str(REPO / "benchmarks" / "vllm_child.py"), "--model-dir", str(model_dir)]
@@ -175,6 +202,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--threads", type=int, default=None, help="our torch threads")
     ap.add_argument("--vllm-kv-space-gb", type=float, default=4)
     ap.add_argument("--vllm-threads-bind", default="0-1")
+    ap.add_argument(
+        "--vllm-tcmalloc",
+        default="auto",
+        help="preload tcmalloc into vLLM, as its CPU guide advises: auto (if installed), none, "
+        "or a path",
+    )
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without compilation")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
@@ -184,7 +217,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     model_dir = resolve_model(args.model)
     py = None if args.skip_vllm else ensure_vllm_venv(args.venv or default_venv(), args.python)
-    summary: dict[str, Any] = {"model": args.model, "num_prompts": args.num_prompts}
+    args.tcmalloc = find_tcmalloc(args.vllm_tcmalloc)
+    summary: dict[str, Any] = {
+        "model": args.model,
+        "num_prompts": args.num_prompts,
+        "vllm_ld_preload": args.tcmalloc,
+    }
     with open("/proc/loadavg") as f:
         summary["loadavg_start"] = f.read().split()[:3]
     for dtype in args.dtypes.split(","):

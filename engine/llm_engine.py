@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine.allocator import keep_freed_memory
 from engine.attention.base import select_backend
 from engine.config import EngineConfig
 from engine.cpuinfo import cpu_has_bf16
@@ -119,6 +120,8 @@ class LLMEngine:
                 f"{self.model_cfg.max_position_embeddings} positions"
             )
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.hash_salt = config.hash_salt if config.hash_salt is not None else config.model
 
