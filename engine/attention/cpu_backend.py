@@ -88,6 +88,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 torch.tensor([qlens[i] for i in on_native], dtype=torch.int64),
             )
 
+    def native_step(self, meta: AttentionMetadata) -> tuple[torch.Tensor, ...] | None:
+        if meta.extra.get("shared_prefix_tokens") or meta.extra.get("sdpa_seqs"):
+            return None
+        return meta.extra.get("native_seqs")
+
     @staticmethod
     def write_kv(
         k: torch.Tensor,

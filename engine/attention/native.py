@@ -38,6 +38,7 @@ SOURCES = (
     CSRC / "fused_ops.c",
     CSRC / "argmax.c",
     CSRC / "amx_linear.c",
+    CSRC / "llama_forward.c",
 )
 HEADERS = (CSRC / "bf16.h", CSRC / "bf16x16.h", CSRC / "vec16.h")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -145,6 +146,22 @@ def load() -> ctypes.CDLL | None:
     lib.amx_pack_weight.argtypes = [ptr, i64, i64, i32, ptr]
     lib.amx_linear.restype = i32
     lib.amx_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, i32, ptr, i64, i32]
+    lib.llama_forward_bf16.restype = i32
+    lib.llama_forward_bf16.argtypes = [
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        i32,
+        ptr,
+        i32,
+    ]
     for suffix in ("bf16", "f32"):
         norm = getattr(lib, f"add_rms_norm_{suffix}")
         norm.restype = None

@@ -15,6 +15,7 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.model import fused
 from engine.model.config import ModelConfig
 from engine.model.linear import PackedWeight, linear, pack_weight, silu_mul_linear
+from engine.model.native_forward import NativeForward
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,6 +80,10 @@ class LlamaForCausalLM(nn.Module):
         # Fused native elementwise kernels on CPU (engine.model.fused); a switch so
         # tests can compare against the reference ops.
         self.use_fused = True
+        # The whole stack of a decode step in one native call where it applies (set up by
+        # prepack_linear_weights; None otherwise); use_native_forward switches it off for tests.
+        self.native_forward: NativeForward | None = None
+        self.use_native_forward = True
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
@@ -94,6 +99,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Returns the final hidden states ``[T, hidden]`` (normed)."""
         if self.use_fused and fused.enabled(self.embed):
+            if self.native_forward is not None and self.use_native_forward:
+                hidden = self.native_forward.run(input_ids, positions, kv_caches, meta)
+                if hidden is not None:
+                    return hidden
             return self._forward_fused(input_ids, positions, kv_caches, meta)
         cfg = self.cfg
         x = F.embedding(input_ids, self.embed)
@@ -175,6 +184,7 @@ class LlamaForCausalLM(nn.Module):
                 name: pack_weight(getattr(layer, name), gated=name == "gate_up")
                 for name in LINEAR_WEIGHTS
             }
+        self.native_forward = NativeForward(self) if NativeForward.supported(self) else None
         return True
 
     # -- weights ---------------------------------------------------------------------------------
@@ -184,6 +194,7 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.cfg
         # Packed copies would go stale: drop them (prepack again after loading).
         self.lm_head_packed = None
+        self.native_forward = None
         for layer in self.layers:
             layer.packed = dict.fromkeys(LINEAR_WEIGHTS)
 

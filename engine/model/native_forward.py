@@ -1,0 +1,174 @@
+"""The decoder stack of a bf16 decode step in one native call (``csrc/llama_forward.c``).
+
+:meth:`LlamaForCausalLM._forward_fused` calls ~9 native kernels per layer; at decode batch sizes
+the Python around them (wrappers, ctypes crossings, a fresh tensor per output) measured ~4 ms of a
+~47 ms step at batch 64. :class:`NativeForward` describes the model to C once (shapes, and per
+layer pointers to the norm weights, the AMX-packed weights and the KV cache) and then runs a
+step's whole stack in one call: the same kernels in the same order, so the hidden states are
+bit for bit those of the Python loop (tested).
+
+It applies only where every piece of that loop would have taken the native path: bf16 on CPU
+with the fused kernels, AMX-packed weights without biases, at most ``AMX_MAX_ROWS`` tokens, and
+an attention backend whose step is one native call over the whole batch
+(``AttentionBackend.native_step``). Anything else returns None from :meth:`run` and the caller
+takes the Python loop.
+
+Invariant: a description holds raw pointers into tensors it does not own; it keeps them alive
+by reference (the packed weights, the norm weights, the rope tables and the KV cache tensors)
+and is rebuilt whenever the KV cache list changes identity.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.attention import native
+from engine.attention.base import AttentionMetadata
+from engine.model.linear import AMX_MAX_ROWS
+
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaForCausalLM
+
+_PTRS = ctypes.POINTER(ctypes.c_void_p)
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [  # noqa: RUF012 (ctypes reads this class attribute)
+        ("num_layers", ctypes.c_int32),
+        ("hidden", ctypes.c_int32),
+        ("num_heads", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("intermediate", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("input_norm", _PTRS),
+        ("post_norm", _PTRS),
+        ("qkv", _PTRS),
+        ("o", _PTRS),
+        ("gate_up", _PTRS),
+        ("down", _PTRS),
+        ("k_cache", _PTRS),
+        ("v_cache", _PTRS),
+        ("final_norm", ctypes.c_void_p),
+        ("rope_cos", ctypes.c_void_p),
+        ("rope_sin", ctypes.c_void_p),
+    ]
+
+
+def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+
+class NativeForward:
+    """One model's description for ``llama_forward_bf16``, built on first use."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self._key: tuple[int, int] | None = None
+        self._desc: _Model | None = None
+        self._keep: list[object] = []
+
+    @staticmethod
+    def supported(model: LlamaForCausalLM) -> bool:
+        """Whether the model's weights allow the native stack at all."""
+        if model.embed.dtype != torch.bfloat16 or model.embed.device.type != "cpu":
+            return False
+        if not native.amx_available() or model.rope_cos.dtype != torch.float32:
+            return False
+        for layer in model.layers:
+            if any(
+                b is not None
+                for b in (layer.qkv_bias, layer.o_bias, layer.gate_up_bias, layer.down_bias)
+            ):
+                return False
+            packed = layer.packed
+            if any(packed[name] is None or packed[name].amx is None for name in packed):
+                return False
+            if not packed["gate_up"].gated:
+                return False
+        return True
+
+    def _describe(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> _Model:
+        key = (id(kv_caches), kv_caches[0][0].data_ptr() if kv_caches else 0)
+        if self._desc is not None and self._key == key:
+            return self._desc
+        m, cfg = self.model, self.model.cfg
+        layers = list(m.layers)
+        per_layer = {
+            "input_norm": [layer.input_norm for layer in layers],
+            "post_norm": [layer.post_norm for layer in layers],
+            "qkv": [layer.packed["qkv"].amx for layer in layers],
+            "o": [layer.packed["o"].amx for layer in layers],
+            "gate_up": [layer.packed["gate_up"].amx for layer in layers],
+            "down": [layer.packed["down"].amx for layer in layers],
+            "k_cache": [k for k, _ in kv_caches],
+            "v_cache": [v for _, v in kv_caches],
+        }
+        arrays = {name: _pointers(ts) for name, ts in per_layer.items()}
+        desc = _Model(
+            num_layers=cfg.num_layers,
+            hidden=cfg.hidden_size,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            intermediate=cfg.intermediate_size,
+            block_size=kv_caches[0][0].shape[1],
+            eps=cfg.rms_norm_eps,
+            scale=m.scale,
+            final_norm=m.norm.data_ptr(),
+            rope_cos=m.rope_cos.data_ptr(),
+            rope_sin=m.rope_sin.data_ptr(),
+            **{name: ctypes.cast(arr, _PTRS) for name, arr in arrays.items()},
+        )
+        self._keep = [per_layer, arrays, m.norm, m.rope_cos, m.rope_sin, kv_caches]
+        self._key, self._desc = key, desc
+        return desc
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """The final normed hidden states ``[T, hidden]``, or None where the step does not
+        qualify (the caller runs the Python loop)."""
+        t = input_ids.shape[0]
+        if t == 0 or t > AMX_MAX_ROWS or len(kv_caches) != self.model.cfg.num_layers:
+            return None
+        seqs = self.model.backend.native_step(meta)
+        if seqs is None:
+            return None
+        lib = native.load()
+        if lib is None:
+            return None
+        tables, seq_lens, starts, qlens = seqs
+        positions = positions.contiguous()
+        slots = meta.slot_mapping.contiguous()
+        if positions.dtype != torch.int64 or slots.dtype != torch.int64:
+            return None
+        x = torch.nn.functional.embedding(input_ids, self.model.embed).contiguous()
+        out = torch.empty_like(x)
+        rc = lib.llama_forward_bf16(
+            ctypes.byref(self._describe(kv_caches)),
+            x.data_ptr(),
+            t,
+            positions.data_ptr(),
+            slots.data_ptr(),
+            tables.data_ptr(),
+            tables.stride(0),
+            seq_lens.data_ptr(),
+            starts.data_ptr(),
+            qlens.data_ptr(),
+            seq_lens.shape[0],
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"native llama forward failed ({rc})")
+        return out

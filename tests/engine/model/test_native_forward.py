@@ -1,0 +1,77 @@
+"""The one-call native decoder stack against the Python loop over the same kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention import native
+from engine.model_runner import ScheduledSeq
+from tests.helpers import make_tiny_llama
+
+needs_amx = pytest.mark.skipif(
+    not native.amx_available(), reason="needs a CPU with AMX (bf16) and the native kernels"
+)
+
+
+def _next_batch(llm: LLM):
+    """The inputs of the engine's next step, scheduled but not run."""
+    engine = llm.engine
+    out = engine.scheduler.schedule()
+    seqs = [ScheduledSeq(r, n, engine.kv.block_ids(r.request_id)) for r, n in out.scheduled]
+    return engine.runner.prepare(seqs)
+
+
+@pytest.fixture(scope="module")
+def head_dim_64(tmp_path_factory: pytest.TempPathFactory):
+    """Heads of 64 (the AMX decode attention path), 3 query heads per KV head, like SmolLM2."""
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("hd64"), hidden_size=384, num_heads=6, num_kv_heads=2
+    )
+
+
+@needs_amx
+@pytest.mark.parametrize("which", ["tiny", "head-dim-64"])
+def test_native_stack_matches_the_python_loop_bit_for_bit(which, tiny_llama, head_dim_64):
+    """A step of decodes plus a short prompt chunk (one native attention call per layer)."""
+    llm = LLM(model=str(tiny_llama if which == "tiny" else head_dim_64), dtype="bfloat16")
+    engine, model = llm.engine, llm.engine.model
+    assert model.native_forward is not None
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for i, n in enumerate((5, 17, 40)):
+        engine.add_request(f"r{i}", [(7 * i + j) % 500 + 1 for j in range(n)], params)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("late", list(range(3, 12)), params)
+    batch = _next_batch(llm)
+    assert batch.meta.num_decodes == 3 and batch.input_ids.shape[0] == 3 + 9
+    kv = engine.runner.kv_caches
+    got = model.native_forward.run(batch.input_ids, batch.positions, kv, batch.meta)
+    assert got is not None
+    model.use_native_forward = False
+    expected = model(batch.input_ids, batch.positions, kv, batch.meta)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+
+
+@needs_amx
+def test_steps_the_native_stack_cannot_run_fall_back(tiny_llama):
+    llm = LLM(model=str(tiny_llama), dtype="bfloat16", max_num_batched_tokens=256)
+    engine, model = llm.engine, llm.engine.model
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    # A 200-token prompt in one chunk: SDPA's share of the step, not one native call.
+    engine.add_request("long", [i % 500 + 1 for i in range(200)], params)
+    batch = _next_batch(llm)
+    assert batch.meta.extra["sdpa_seqs"]
+    kv = engine.runner.kv_caches
+    assert model.native_forward.run(batch.input_ids, batch.positions, kv, batch.meta) is None
+
+
+def test_only_amx_packed_bias_free_bf16_models_get_the_native_stack(tiny_llama, tmp_path):
+    bf16 = LLM(model=str(tiny_llama), dtype="bfloat16").engine.model
+    assert (bf16.native_forward is not None) == native.amx_available()
+    qwen2 = make_tiny_llama(tmp_path / "qwen2", model_type="qwen2")  # q/k/v biases
+    assert LLM(model=str(qwen2), dtype="bfloat16").engine.model.native_forward is None
+    assert LLM(model=str(tiny_llama), dtype="float32").engine.model.native_forward is None
+    unpacked = LLM(model=str(tiny_llama), dtype="bfloat16", prepack_weights=False)
+    assert unpacked.engine.model.native_forward is None
