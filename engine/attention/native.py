@@ -41,7 +41,11 @@ SOURCES = (
     CSRC / "llama_forward.c",
 )
 HEADERS = (CSRC / "bf16.h", CSRC / "bf16x16.h", CSRC / "vec16.h")
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+# Linked without -ffast-math: with it gcc adds crtfastmath.o, whose constructor turns on
+# flush-to-zero for the whole process when the library loads (subnormal floats in torch, numpy
+# and Python arithmetic would read as 0).
+LDFLAGS = ["-shared", "-fopenmp"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
 
@@ -59,7 +63,7 @@ def _cache_dir() -> Path:
 def _build(compiler: str) -> Path:
     source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256(
-        source + " ".join([compiler, *CFLAGS]).encode() + _cpu_signature().encode()
+        source + " ".join([compiler, *CFLAGS, *LDFLAGS]).encode() + _cpu_signature().encode()
     ).hexdigest()[:16]
     out = _cache_dir() / f"prefixserve_kernels-{key}.so"
     if out.is_file():
@@ -68,12 +72,21 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".prefixserve_kernels-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run(
-            [compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
+        with tempfile.TemporaryDirectory(dir=out.parent) as objdir:
+            objects = [str(Path(objdir) / f"{src.stem}.o") for src in SOURCES]
+            for src, obj in zip(SOURCES, objects, strict=True):
+                subprocess.run(
+                    [compiler, *CFLAGS, "-c", str(src), "-o", obj],
+                    check=True,
+                    capture_output=True,
+                    timeout=120,
+                )
+            subprocess.run(
+                [compiler, *LDFLAGS, *objects, "-o", tmp, "-lm"],
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

@@ -406,3 +406,14 @@ def test_portable_kernels_match_reference(monkeypatch, tmp_path, march):
             test_fused_elementwise_ops_match_reference_ops(70, dtype)
     finally:
         native.load.cache_clear()
+
+
+@needs_compiler
+def test_loading_the_kernels_keeps_subnormal_floats() -> None:
+    """The library is compiled with -ffast-math but must not switch the process to
+    flush-to-zero (gcc's crtfastmath does that when the link has -ffast-math too)."""
+    assert native.available()
+    tiny = float("1e-310")  # subnormal in float64
+    assert tiny * 0.5 > 0.0
+    t = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in float32
+    assert (t * 2.0).item() > 0.0

@@ -210,18 +210,24 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
+/* Tiles of the decode scores (per thread): 0 holds 16 keys x 32 dims, 1 the group's queries as
+ * 16 dim pairs x G, 2 the scores of 16 keys x G rows. */
+static void configure_score_tiles(int G) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette_id = 1;
+    cfg.rows[0] = 16; cfg.colsb[0] = 64;
+    cfg.rows[1] = 16; cfg.colsb[1] = (uint16_t)(G * 4);
+    cfg.rows[2] = 16; cfg.colsb[2] = (uint16_t)(G * 4);
+    _tile_loadconfig(&cfg);
+}
+
 /* scores[g * ctx + t] = scale * q_g . k_t, as qk_scores, for bf16, head_dim % 32 == 0 and
  * block_size % 16 == 0. qb: the group's query rows [G, D] (bf16). */
 static void qk_scores_amx(const uint16_t *qb, const uint16_t *k_cache, const int64_t *table,
                           int64_t ctx, int G, int D, int block_size, int64_t row,
                           int64_t head_off, float scale, float *scores) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette_id = 1;
-    cfg.rows[0] = 16; cfg.colsb[0] = 64;                 /* keys: 16 x 32 dims */
-    cfg.rows[1] = 16; cfg.colsb[1] = (uint16_t)(G * 4);  /* queries: 16 dim pairs x G */
-    cfg.rows[2] = 16; cfg.colsb[2] = (uint16_t)(G * 4);  /* scores: 16 keys x G */
-    _tile_loadconfig(&cfg);
+    configure_score_tiles(G);
     /* qv[c][p][g][2] = q_g[32c + 2p + {0, 1}] */
     uint16_t qv[(MAX_HEAD_DIM / 32) * 16 * MAX_ROWS * 2];
     for (int c = 0; c < D / 32; c++)
@@ -444,6 +450,44 @@ static void attend_tile(const attn_args *a, int s, int64_t t0, int64_t t1, int h
     }
 }
 
+/* Each of the G rows of scores [G, ctx] becomes its softmax in place; lse[g] its log-sum-exp. */
+static void softmax_rows(float *scores, int G, int64_t ctx, float *lse) {
+    for (int g = 0; g < G; g++) {
+        float *sg = scores + (size_t)g * ctx;
+        float mx = sg[0];
+        for (int64_t t = 1; t < ctx; t++) mx = sg[t] > mx ? sg[t] : mx;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < ctx; t++) {
+            sg[t] = expf(sg[t] - mx);
+            sum += sg[t];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < ctx; t++) sg[t] *= inv;
+        lse[g] = mx + logf(sum);
+    }
+}
+
+/* The decode token's output rows of KV head kvh's query heads from acc [G, head_dim], and their
+ * log-sum-exp where asked for. */
+static void store_decode_rows(const attn_args *a, int64_t tok, int kvh, const float *acc,
+                              const float *lse) {
+    const int G = a->group, D = a->head_dim;
+    for (int g = 0; g < G; g++) {
+        const int h = kvh * G + g;
+        const int64_t off = tok * a->out_stride + (int64_t)h * D;
+        const float *ag = acc + (size_t)g * D;
+        if (a->dtype == 1) {
+            uint16_t *o = (uint16_t *)a->out + off;
+            for (int d = 0; d < D; d++) o[d] = f32_to_bf16(ag[d]);
+        } else {
+            memcpy((float *)a->out + off, ag, sizeof(float) * (size_t)D);
+        }
+        if (a->lse != NULL) a->lse[tok * a->num_heads + h] = lse[g];
+    }
+}
+
 /* Attention of the single query token of sequence s for KV head kvh. Returns 0, or -1 when the
  * score buffer cannot be allocated. */
 static int attend_decode(const attn_args *a, int s, int kvh) {
@@ -485,34 +529,9 @@ static int attend_decode(const attn_args *a, int s, int kvh) {
 #endif
         qk_scores(qf, a->k_cache, table, ctx, G, D, bs, a->row, head_off, dtype, scores, tmp);
     float lse[MAX_ROWS];
-    for (int g = 0; g < G; g++) {
-        float *sg = scores + (size_t)g * ctx;
-        float mx = sg[0];
-        for (int64_t t = 1; t < ctx; t++) mx = sg[t] > mx ? sg[t] : mx;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < ctx; t++) {
-            sg[t] = expf(sg[t] - mx);
-            sum += sg[t];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < ctx; t++) sg[t] *= inv;
-        lse[g] = mx + logf(sum);
-    }
+    softmax_rows(scores, G, ctx, lse);
     pv_accumulate(scores, a->v_cache, table, ctx, G, D, bs, a->row, head_off, dtype, acc, tmp);
-    for (int g = 0; g < G; g++) {
-        const int h = kvh * G + g;
-        const int64_t off = tok * a->out_stride + (int64_t)h * D;
-        const float *ag = acc + (size_t)g * D;
-        if (dtype == 1) {
-            uint16_t *o = (uint16_t *)a->out + off;
-            for (int d = 0; d < D; d++) o[d] = f32_to_bf16(ag[d]);
-        } else {
-            memcpy((float *)a->out + off, ag, sizeof(float) * (size_t)D);
-        }
-        if (a->lse != NULL) a->lse[tok * a->num_heads + h] = lse[g];
-    }
+    store_decode_rows(a, tok, kvh, acc, lse);
     free(buf);
     return 0;
 }
@@ -560,13 +579,7 @@ static int attend_decode_heads_amx(const attn_args *a, int s) {
                     dst[1] = src[1];
                 }
 
-    tile_config cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette_id = 1;
-    cfg.rows[0] = 16; cfg.colsb[0] = 64;                 /* keys: 16 x 32 dims */
-    cfg.rows[1] = 16; cfg.colsb[1] = (uint16_t)(G * 4);  /* queries: 16 dim pairs x G */
-    cfg.rows[2] = 16; cfg.colsb[2] = (uint16_t)(G * 4);  /* scores: 16 keys x G */
-    _tile_loadconfig(&cfg);
+    configure_score_tiles(G);
     const uint16_t *kc = (const uint16_t *)a->k_cache, *vc = (const uint16_t *)a->v_cache;
     const size_t row_bytes = (size_t)row * 2;
     float st[16 * MAX_ROWS];
@@ -611,29 +624,10 @@ static int attend_decode_heads_amx(const attn_args *a, int s) {
 
     for (int h = 0; h < HK; h++) {
         float lse[MAX_ROWS];
-        for (int g = 0; g < G; g++) {
-            float *sg = scores + ((size_t)h * G + g) * (size_t)ctx;
-            float mx = sg[0];
-            for (int64_t t = 1; t < ctx; t++) mx = sg[t] > mx ? sg[t] : mx;
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < ctx; t++) {
-                sg[t] = expf(sg[t] - mx);
-                sum += sg[t];
-            }
-            const float inv = 1.0f / sum;
-#pragma omp simd
-            for (int64_t t = 0; t < ctx; t++) sg[t] *= inv;
-            lse[g] = mx + logf(sum);
-        }
-        pv_accumulate(scores + (size_t)h * G * (size_t)ctx, a->v_cache, table, ctx, G, D, bs, row,
-                      (int64_t)h * D, 1, acc, tmp);
-        for (int g = 0; g < G; g++) {
-            const int hq = h * G + g;
-            uint16_t *o = (uint16_t *)a->out + tok * a->out_stride + (int64_t)hq * D;
-            for (int d = 0; d < D; d++) o[d] = f32_to_bf16(acc[(size_t)g * D + d]);
-            if (a->lse != NULL) a->lse[tok * a->num_heads + hq] = lse[g];
-        }
+        float *sh = scores + (size_t)h * G * (size_t)ctx;
+        softmax_rows(sh, G, ctx, lse);
+        pv_accumulate(sh, a->v_cache, table, ctx, G, D, bs, row, (int64_t)h * D, 1, acc, tmp);
+        store_decode_rows(a, tok, h, acc, lse);
     }
     free(buf);
     return 0;
