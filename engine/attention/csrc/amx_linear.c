@@ -1,17 +1,18 @@
 /* bf16 linear layers on AMX for decode-sized batches: y[M, N] = x[M, K] . W[N, K]^T, float32
  * sums rounded once to bf16 (round to nearest even, as oneDNN and torch round).
  *
- * At a few dozen rows a decode step's matmuls are bound by streaming the weights from memory,
- * yet oneDNN's packed kernel reached only ~40% of the read bandwidth at 64 rows for this model's
- * shapes (K = 576 or 1536), spending its time around small calls. Here the weight is repacked
- * once into 1 KiB tiles that lie in the order the kernel reads them, so each thread streams one
- * contiguous run of memory, and every tile of weights is multiplied with all row tiles of x while
- * it is in L1.
+ * At a few dozen rows a decode step's matmuls should be bound by streaming the weights from
+ * memory, yet oneDNN's packed kernel read them at ~9 GB/s at 64 rows and ~15 GB/s at 1 row for
+ * this model's shapes (K = 576 or 1536) on a machine that reads 25 GB/s. Here the weight is
+ * repacked once into 1 KiB tiles that lie in the order the kernel reads them, so each thread
+ * streams one contiguous run of memory, and each pair of weight tiles is multiplied with every
+ * row tile of x while it is in cache (~15 GB/s at 64 rows, ~24 at 1 row).
  *
- * Packed layout (amx_pack_weight): for n-block nb (16 output features) and k-block kb (32 input
- * features), tile (nb, kb) sits at element (nb * KB + kb) * 512 and holds
- * tile[p][n][j] = W[16 nb + n][32 kb + 2 p + j] for p < 16, n < 16, j < 2: the pairs-of-rows
- * ("VNNI") layout AMX wants for its second operand. Features past N or K are zero.
+ * Packed layout (amx_pack_weight): for n-block nb (16 output features starting at weight row
+ * block_row(nb)) and k-block kb (32 input features), tile (nb, kb) sits at element
+ * (nb * KB + kb) * 512 and holds tile[p][n][j] = W[block_row(nb) + n][32 kb + 2 p + j] for
+ * p < 16, n < 16, j < 2: the pairs-of-rows ("VNNI") layout AMX wants for its second operand.
+ * Features past N or K are zero; the kernel reads n-blocks two at a time (a pair).
  *
  * Tile registers: 0-3 sums (16 rows x 16 features, float32), 4-5 rows of x, 6-7 weights. */
 #define _GNU_SOURCE
@@ -80,15 +81,15 @@ void amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, int gated, uint16_
     }
 }
 
+/* The weight pair this many pairs ahead is requested into L2 during the first row pass. */
 #define PREFETCH_PAIRS 4
 /* x: [m, k] with row stride x_stride (elements); wp: amx_pack_weight's output for [n, k];
  * y: [m, n] with row stride y_stride, or when gated [m, n / 2] = silu(gate) * up, rounded as
  * the eager bf16 ops round (silu_mul16). Returns 0, or -1 without AMX or memory.
  *
  * Each pass computes 32 rows x 32 features as 2 x 2 sum tiles from two tiles of x and two of
- * weights per 32 inputs: four multiplies per four loads, and no load waits on a multiply that
- * still reads the register it refills (one x register reloaded four times measured half the
- * rate at 64 rows). */
+ * weights per 32 inputs: four multiplies per four loads (four row tiles against one weight tile,
+ * five loads per four multiplies, measured ~20% slower at 64 rows). */
 int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const uint16_t *wp,
                int64_t n, int gated, uint16_t *y, int64_t y_stride, int num_threads) {
     if (!amx_linear_available()) return -1;
@@ -130,7 +131,7 @@ int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const 
                 const uint16_t *xa = xs + (r0 / 16) * KB * 512, *xb = xa + KB * 512;
                 for (int64_t kb = 0; kb < KB; kb++) {
                     if (r0 == 0 && pair + PREFETCH_PAIRS < p1) {
-                        /* The next pair's tiles into L2, one pair ahead (~5% at 64 rows). */
+                        /* Weight tiles into L2 ahead of their pass (~5% at 64 rows). */
                         const char *nx = (const char *)(w0 + PREFETCH_PAIRS * 2 * KB * 512 + kb * 512);
                         for (int l = 0; l < 1024; l += 64) {
                             _mm_prefetch(nx + l, _MM_HINT_T1);
