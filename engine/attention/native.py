@@ -40,7 +40,7 @@ SOURCES = (
     CSRC / "amx_linear.c",
     CSRC / "llama_forward.c",
 )
-HEADERS = (CSRC / "bf16.h", CSRC / "bf16x16.h", CSRC / "vec16.h")
+HEADERS = (CSRC / "amx.h", CSRC / "bf16.h", CSRC / "bf16x16.h", CSRC / "vec16.h")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 # Linked without -ffast-math: with it gcc adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process when the library loads (subnormal floats in torch, numpy

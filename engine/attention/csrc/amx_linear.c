@@ -15,12 +15,13 @@
  * Features past N or K are zero; the kernel reads n-blocks two at a time (a pair).
  *
  * Tile registers: 0-3 sums (16 rows x 16 features, float32), 4-5 rows of x, 6-7 weights. */
-#define _GNU_SOURCE
+#define _GNU_SOURCE /* syscall() */
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#include <immintrin.h>
+#include "amx.h"
+
+#if defined(HAVE_AMX)
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <omp.h>
@@ -38,14 +39,8 @@ int amx_linear_available(void) {
     return amx_linear_state == 1;
 }
 
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_cfg;
-
 static void configure_tiles(void) {
-    amx_cfg cfg;
+    tile_config cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette_id = 1;
     for (int t = 0; t < 8; t++) {

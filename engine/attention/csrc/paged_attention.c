@@ -25,17 +25,12 @@
  * multiplies for bf16 where the CPU and kernel allow, else a vector loop), one softmax, then the
  * weighted sum of values; for a single query token that measured faster than the online pass.
  */
-#define _GNU_SOURCE /* syscall() */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define HAVE_AMX 1
-#endif
 
+#include "amx.h"
 #include "bf16.h"
 #include "vec16.h"
 
@@ -52,6 +47,7 @@ typedef struct {
     int64_t bt_stride, q_stride, out_stride, row; /* row: elements per cache slot */
     int64_t kv_start;
     float scale;
+    int amx_scores; /* bf16 decode scores on AMX: usable here, head_dim % 32, block_size % 16 */
 } attn_args;
 
 static inline float load_elem(const void *base, int64_t i, int dtype) {
@@ -191,24 +187,10 @@ static void pv_accumulate(const float *probs, const void *v_cache, const int64_t
  * with float32 sums, B laid out in pairs of its rows ("VNNI"). With A = 16 cached keys (read in
  * place: a key row is contiguous, rows are a cache slot apart) and B = the group's query rows
  * transposed into pairs of dims (built once per item), one multiply per 32 dims scores 16 keys
- * against the whole group, where the vector loop needs a horizontal sum per key and row. The
- * kernel asks Linux once for the tile state (arch_prctl); without it, or on a CPU without AMX,
- * the vector loop runs. (The value side stays on vector FMAs: AMX there needs the values paired
- * up by key, a permute per pair of rows, and measured slower.) */
-static int amx_state = 0; /* 0 unknown, 1 usable, -1 not; settled before any parallel region */
-
-static void amx_probe(void) {
-    if (amx_state == 0) {
-        /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): idempotent, per process. */
-        amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
-    }
-}
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
+ * against the whole group, where the vector loop needs a horizontal sum per key and row.
+ * Without the tile state (amx_linear_available, amx.h) the vector loop runs. (The value side
+ * stays on vector FMAs: AMX there needs the values paired up by key, a permute per pair of
+ * rows, and measured slower.) */
 
 /* Tiles of the decode scores (per thread): 0 holds 16 keys x 32 dims, 1 the group's queries as
  * 16 dim pairs x G, 2 the scores of 16 keys x G rows. */
@@ -520,7 +502,7 @@ static int attend_decode(const attn_args *a, int s, int kvh) {
         for (int d = 0; d < D; d++) qf[(size_t)g * D + d] *= a->scale;
     }
 #if defined(HAVE_AMX)
-    if (dtype == 1 && D % 32 == 0 && bs % 16 == 0 && amx_state == 1) {
+    if (a->amx_scores) {
         /* The group's heads are adjacent in the query row: read them in place. */
         const uint16_t *qb = (const uint16_t *)a->q + tok * a->q_stride + (int64_t)kvh * G * D;
         qk_scores_amx(qb, (const uint16_t *)a->k_cache, table, ctx, G, D, bs, a->row, head_off,
@@ -540,6 +522,20 @@ static int attend_decode(const attn_args *a, int s, int kvh) {
 /* Keys or values of 16 tokens ahead of the one being scored: far enough that the lines arrive
  * before they are read, near enough to stay in L2. */
 #define PREFETCH_AHEAD 32
+
+/* Requests the cache rows of tokens [t0, t0 + 16) (clipped to ctx; inside one block, as
+ * block_size % 16 == 0) into L1 (to_l1) or L2. */
+static inline void prefetch_16_rows(const uint16_t *cache, const int64_t *table, int64_t t0,
+                                    int64_t ctx, int bs, int64_t row, int to_l1) {
+    const int64_t n = ctx - t0 < 16 ? ctx - t0 : 16;
+    const char *p = (const char *)(cache + (table[t0 / bs] * bs + t0 % bs) * row);
+    for (size_t l = 0; l < (size_t)(n * row * 2); l += 64) {
+        if (to_l1)
+            _mm_prefetch(p + l, _MM_HINT_T0);
+        else
+            _mm_prefetch(p + l, _MM_HINT_T1);
+    }
+}
 
 /* Attention of the single query token of sequence s for all KV heads, bf16 on AMX: one pass over
  * the keys, 16 tokens at a time, scores every head from whole cache rows (a slot's heads are
@@ -581,30 +577,15 @@ static int attend_decode_heads_amx(const attn_args *a, int s) {
 
     configure_score_tiles(G);
     const uint16_t *kc = (const uint16_t *)a->k_cache, *vc = (const uint16_t *)a->v_cache;
-    const size_t row_bytes = (size_t)row * 2;
     float st[16 * MAX_ROWS];
     for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
         const int64_t slot = table[t0 / bs] * bs + t0 % bs;
         const int64_t n16 = ctx - t0 < 16 ? ctx - t0 : 16;
-        if (t0 == 0) {
-            /* The first tokens' keys, which no earlier step asked for. */
-            for (int64_t tp = 0; tp < PREFETCH_AHEAD && tp < ctx; tp += 16) {
-                const int64_t np = ctx - tp < 16 ? ctx - tp : 16;
-                const char *krow = (const char *)(kc + (table[tp / bs] * bs + tp % bs) * row);
-                for (size_t l = 0; l < (size_t)np * row_bytes; l += 64) _mm_prefetch(krow + l, _MM_HINT_T0);
-            }
-        }
-        const int64_t ta = t0 + PREFETCH_AHEAD;
-        if (ta < ctx) {
-            const int64_t na = ctx - ta < 16 ? ctx - ta : 16;
-            const int64_t sa = table[ta / bs] * bs + ta % bs;
-            const char *krow = (const char *)(kc + sa * row);
-            for (size_t l = 0; l < (size_t)na * row_bytes; l += 64) _mm_prefetch(krow + l, _MM_HINT_T0);
-        }
-        {
-            const char *vrow = (const char *)(vc + slot * row);
-            for (size_t l = 0; l < (size_t)n16 * row_bytes; l += 64) _mm_prefetch(vrow + l, _MM_HINT_T1);
-        }
+        if (t0 == 0) /* the first tokens' keys, which no earlier step asked for */
+            for (int64_t tp = 0; tp < PREFETCH_AHEAD && tp < ctx; tp += 16)
+                prefetch_16_rows(kc, table, tp, ctx, bs, row, 1);
+        if (t0 + PREFETCH_AHEAD < ctx) prefetch_16_rows(kc, table, t0 + PREFETCH_AHEAD, ctx, bs, row, 1);
+        prefetch_16_rows(vc, table, t0, ctx, bs, row, 0);
         const uint16_t *kb = kc + slot * row;
         for (int h = 0; h < HK; h++) {
             _tile_zero(2);
@@ -646,11 +627,16 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache,
     if (kv_start % block_size) return -3;
     const attn_args a = {q, k_cache, v_cache, block_tables, seq_lens, query_start, query_len, out, lse,
                          num_heads, group, head_dim, block_size, dtype, bt_stride, q_stride,
-                         out_stride, (int64_t)num_kv_heads * head_dim, kv_start, scale};
-    const int tile = MAX_ROWS / group; /* query tokens per item */
+                         out_stride, (int64_t)num_kv_heads * head_dim, kv_start, scale,
 #if defined(HAVE_AMX)
-    amx_probe();
+                         /* Settled here, before any parallel region asks. */
+                         dtype == 1 && head_dim % 32 == 0 && block_size % 16 == 0 &&
+                             amx_linear_available()
+#else
+                         0
 #endif
+    };
+    const int tile = MAX_ROWS / group; /* query tokens per item */
 
     /* Items: every sequence's query tiles, split by KV head when there are too few to keep the
      * threads busy (a batch of one) and always for decodes (one tile of one token). */
@@ -682,8 +668,7 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache,
             const int h0 = splits == 1 ? 0 : (int)(it % splits);
             const int h1 = splits == 1 ? num_kv_heads : h0 + 1;
 #if defined(HAVE_AMX)
-            if (splits == 1 && dtype == 1 && head_dim % 32 == 0 && block_size % 16 == 0 &&
-                amx_state == 1) {
+            if (splits == 1 && a.amx_scores) {
                 if (attend_decode_heads_amx(&a, s) != 0) failed = 1;
                 continue;
             }
