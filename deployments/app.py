@@ -15,6 +15,8 @@ from ray.serve.config import BackpressureConfig, DeploymentActorConfig
 
 from deployments.config import AppArgs
 from deployments.engine_replica import KV_DIRECTORY_ACTOR, REGISTRY_ACTOR, EngineReplica
+from deployments.engine_server import EngineServer
+from deployments.engine_server import app as engine_server_app
 from deployments.ingress import Ingress
 from deployments.kv_directory import KVDirectory
 from deployments.registry import ReplicaRegistry
@@ -63,7 +65,7 @@ def ingress_serve_options(args: AppArgs) -> dict[str, Any]:
     }
 
 
-def engine_deployment(args: AppArgs) -> Any:
+def _deployment_actors(args: AppArgs) -> list[DeploymentActorConfig]:
     actors = [
         DeploymentActorConfig(
             name=REGISTRY_ACTOR, actor_class=ReplicaRegistry, actor_options={"num_cpus": 0}
@@ -81,10 +83,14 @@ def engine_deployment(args: AppArgs) -> Any:
                 actor_options={"num_cpus": 0},
             )
         )
+    return actors
+
+
+def engine_deployment(args: AppArgs) -> Any:
     options: dict[str, Any] = {
         **engine_serve_options(args),
         "name": "Engine",
-        "deployment_actors": actors,
+        "deployment_actors": _deployment_actors(args),
         "request_router_config": request_router_config(
             args.routing_policy,
             args.router.model_dump(),
@@ -95,8 +101,19 @@ def engine_deployment(args: AppArgs) -> Any:
     return serve.deployment(EngineReplica).options(**options)
 
 
+def engine_server_deployment(args: AppArgs) -> Any:
+    """The direct layout's only deployment: engine replicas that serve HTTP themselves."""
+    options = engine_serve_options(args)
+    # Control calls and the HTTP side's own admission (it answers 429 past its limit).
+    options["max_ongoing_requests"] = args.limits.max_ongoing_per_ingress + INGRESS_HEADROOM
+    options["max_queued_requests"] = args.limits.max_queued_at_proxy
+    return serve.deployment(serve.ingress(engine_server_app)(EngineServer)).options(
+        name="Engine", deployment_actors=_deployment_actors(args), **options
+    )
+
+
 def build_app(args: dict[str, Any]) -> Application:
-    """Validate ``args`` (unknown keys are errors) and bind Ingress -> Engine."""
+    """Validate ``args`` (unknown keys are errors) and bind the layout's deployments."""
     return build(AppArgs.model_validate(args or {}))
 
 
@@ -108,6 +125,11 @@ def build(
     """The application graph; the options override deployment settings (replicas, CPUs) for
     programmatic use, where ``serve_config.yaml``'s ``deployments`` section is absent."""
     plain = args.model_dump()
+    if args.layout == "direct":
+        server = engine_server_deployment(args)
+        if engine_options:
+            server = server.options(**engine_options)
+        return server.bind(plain)
     engine = engine_deployment(args)
     if engine_options:
         engine = engine.options(**engine_options)

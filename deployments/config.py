@@ -105,6 +105,11 @@ class LimitsArgs(_Strict):
 
 class AppArgs(_Strict):
     model: str = "smollm2-135m-instruct"
+    # "direct": each engine replica serves the HTTP routes itself (no process hop per token;
+    # one machine, docs/benchmarks.md). "routed": an Ingress deployment validates requests and
+    # routes each prompt by its prefix to engine replicas through a handle (many replicas and
+    # nodes, KubeRay).
+    layout: Literal["direct", "routed"] = "routed"
     served_model_name: str | None = None
     tokenizer: str | None = None
     engine: EngineArgs = EngineArgs()

@@ -63,3 +63,25 @@ def replica_engine_cpus() -> frozenset[int] | None:
     if local_rank is None:
         return None
     return engine_cpus(local_rank, num_cpus, os.sched_getaffinity(0), node_cpus)
+
+
+def restore_priority() -> bool:
+    """Run this process's threads at nice 0; True if they do.
+
+    Ray starts its worker processes at nice 15 so that its own daemons stay responsive. For an
+    engine replica that is the wrong way round: the engine thread and the threads that stream
+    its tokens would yield the cores to any nice-0 process (a benchmark client, a sidecar) while
+    requests wait. Threads created afterwards (the engine thread and its OpenMP team) inherit the
+    creating thread's value. Lowering niceness needs CAP_SYS_NICE (root in a container has it;
+    a non-root Kubernetes pod does not): without it the replica keeps Ray's value and says so.
+    """
+    ok = True
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, int(tid)) > 0:
+                os.setpriority(os.PRIO_PROCESS, int(tid), 0)
+        except (PermissionError, ProcessLookupError, OSError) as e:
+            ok = False
+            logger.info("engine replica keeps its nice value (%s)", e)
+            break
+    return ok

@@ -30,14 +30,13 @@ from ray import serve
 
 from deployments.choices import choice_params, merge_streams
 from deployments.config import AppArgs
-from deployments.cpu_affinity import replica_engine_cpus
-from deployments.engine_request import EngineRequest, error_item
+from deployments.cpu_affinity import replica_engine_cpus, restore_priority
+from deployments.engine_request import EngineError, EngineRequest, StreamItem, error_item
 from deployments.kv_sharing import KVSharing
 from deployments.metrics import ReplicaMetrics
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta
-from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
@@ -83,6 +82,7 @@ class EngineReplica:
         self.started_at = time.time()
         self.engine = LLMEngine(self.args.engine_config(num_threads=_assigned_cpus()))
         self.cpus = replica_engine_cpus() if self.args.pin_engine_cpus else None
+        restore_priority()
         logger.info(
             "engine replica %s: engine thread on CPUs %s",
             self.replica_id,
@@ -140,9 +140,9 @@ class EngineReplica:
         waiting = self.args.limits.max_waiting_per_replica
         return None if waiting is None else self.args.engine.max_num_seqs + waiting
 
-    async def generate(self, req: EngineRequest) -> AsyncIterator[dict[str, Any]]:
-        """Stream dict items for one request (see ``_item``); an error is a single item with an
-        ``error`` key, never an exception, so the ingress can map it to an HTTP status."""
+    async def generate(self, req: EngineRequest) -> AsyncIterator[StreamItem | EngineError]:
+        """Stream items for one request; an error is a final ``EngineError`` item, never an
+        exception, so the HTTP side can map it to an HTTP status."""
         self._ensure_reporter()
         capacity = self.capacity
         # Checked and counted with no await in between: admission is atomic on the event loop.
@@ -171,18 +171,16 @@ class EngineReplica:
             self.admitted_peak = n
             self.admitted_peak_gauge.labels(replica=self.replica_id).set(n)
 
-    async def _generate(self, req: EngineRequest) -> AsyncIterator[dict[str, Any]]:
+    async def _generate(self, req: EngineRequest) -> AsyncIterator[StreamItem | EngineError]:
         if self.async_engine.error is not None:
             # This replica is about to exit (see _on_engine_death): the caller then sees it die
             # and retries elsewhere. Answer only if the exit is late.
             await asyncio.sleep(4 * ENGINE_DEATH_GRACE_S)
-            yield error_item(503, "engine replica is shutting down", "engine_error", "engine_dead")
+            yield error_item(
+                503, "engine replica is shutting down", "engine_error", "engine_dead", True
+            )
             return
-        try:
-            params = SamplingParams(**req.sampling)
-        except (TypeError, ValueError) as e:
-            yield error_item(400, str(e), "invalid_request_error")
-            return
+        params = req.sampling
         arrival = time.monotonic()
         first_at: float | None = None
         # Each choice's latest delta; a choice is finished when its latest delta is.
@@ -254,7 +252,7 @@ class EngineReplica:
                     tpot = (time.monotonic() - first_at) / (n - 1) if n > 1 else None
                     self.metrics.observe_request(first_at - arrival, tpot)
 
-    def _item(self, batch: list[RequestDelta], index: int = 0, done: bool = True) -> dict[str, Any]:
+    def _item(self, batch: list[RequestDelta], index: int = 0, done: bool = True) -> StreamItem:
         """One stream item: choice ``index``'s new tokens; ``finished`` ends the choice, ``done``
         the whole request (every choice finished)."""
         last = batch[-1]
@@ -269,41 +267,40 @@ class EngineReplica:
             if scored is None
             else [None if e is None else (e.token_id, e.logprob, e.top) for e in scored]
         )
-        return {
-            "replica_id": self.replica_id,
-            "index": index,
-            "token_ids": [t for d in batch for t in d.new_token_ids],
-            "text": "".join(d.new_text for d in batch),
-            "finished": last.finished,
-            "done": last.finished and done,
-            "finish_reason": last.finish_reason,
-            "stop_reason": last.stop_reason,
-            "prompt_tokens": last.num_prompt_tokens,
-            "completion_tokens": last.num_output_tokens,
-            "cached_tokens": last.num_cached_tokens,
-            "remote_cached_tokens": last.num_remote_cached_tokens,
-            "logprobs": logprobs,
-            "prompt_logprobs": prompt_logprobs,
-        }
+        return StreamItem(
+            replica_id=self.replica_id,
+            index=index,
+            token_ids=[t for d in batch for t in d.new_token_ids],
+            text="".join(d.new_text for d in batch),
+            finished=last.finished,
+            done=last.finished and done,
+            finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason,
+            prompt_tokens=last.num_prompt_tokens,
+            completion_tokens=last.num_output_tokens,
+            cached_tokens=last.num_cached_tokens,
+            remote_cached_tokens=last.num_remote_cached_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
 
     def _timeout_item(
         self, req: EngineRequest, last: RequestDelta | None, index: int = 0, done: bool = True
-    ) -> dict[str, Any]:
-        return {
-            "replica_id": self.replica_id,
-            "index": index,
-            "token_ids": [],
-            "text": "",
-            "finished": True,
-            "done": done,
-            "finish_reason": "timeout",
-            "stop_reason": None,
-            "prompt_tokens": len(req.prompt_token_ids),
-            "completion_tokens": last.num_output_tokens if last else 0,
-            "cached_tokens": last.num_cached_tokens if last else 0,
-            "remote_cached_tokens": last.num_remote_cached_tokens if last else 0,
-            "logprobs": None,
-        }
+    ) -> StreamItem:
+        return StreamItem(
+            replica_id=self.replica_id,
+            index=index,
+            token_ids=[],
+            text="",
+            finished=True,
+            done=done,
+            finish_reason="timeout",
+            stop_reason=None,
+            prompt_tokens=len(req.prompt_token_ids),
+            completion_tokens=last.num_output_tokens if last else 0,
+            cached_tokens=last.num_cached_tokens if last else 0,
+            remote_cached_tokens=last.num_remote_cached_tokens if last else 0,
+        )
 
     # -- reporting -------------------------------------------------------------------------------
     def _routing_snapshot(self, engine: LLMEngine) -> dict[str, Any]:

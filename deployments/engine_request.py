@@ -1,4 +1,5 @@
-"""What the ingress sends an engine replica, and what comes back on the stream.
+"""The contract between the HTTP side and the engine replicas: the request, and the stream's
+items (``StreamItem``, ended by one with ``done`` or by an ``EngineError``).
 
 ``EngineRequest`` is a plain dataclass so that the request router (which Serve runs in the
 ingress process and pickles by value) can read ``block_hashes`` by attribute without importing
@@ -10,13 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.sampling_params import SamplingParams
+
 
 @dataclass
 class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
-    # SamplingParams keyword arguments (validated by the ingress).
-    sampling: dict[str, Any]
+    # Validated by the HTTP side (deployments.validation).
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     # Chained hashes of the prompt's full blocks (engine.block_hash), for routing and KV import.
     block_hashes: list[int] = field(default_factory=list)
     priority: int = 0
@@ -28,6 +31,41 @@ class EngineRequest:
     n: int = 1
 
 
-def error_item(status: int, message: str, type_: str, code: str | None = None) -> dict[str, Any]:
-    """A stream item that ends the stream with an HTTP-mappable error."""
-    return {"error": {"status": status, "message": message, "type": type_, "code": code}}
+@dataclass
+class StreamItem:
+    """New output of one choice. ``index`` is the choice (``prompt * n + k`` once the HTTP side
+    has offset it); ``finished`` ends the choice, ``done`` the whole engine request (every
+    choice finished). Counts are totals so far; logprobs are ``(token id, logprob, top)``."""
+
+    replica_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    finished: bool
+    done: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    remote_cached_tokens: int = 0
+    logprobs: list[tuple[int, float, Any]] | None = None
+    prompt_logprobs: list[tuple[int, float, Any] | None] | None = None
+
+
+@dataclass
+class EngineError:
+    """The last item of a stream that failed, as the HTTP answer it maps to. ``retryable``: the
+    request never reached a working engine, so another replica may serve it."""
+
+    status: int
+    message: str
+    type: str
+    code: str | None = None
+    retryable: bool = False
+
+
+def error_item(
+    status: int, message: str, type_: str, code: str | None = None, retryable: bool = False
+) -> EngineError:
+    return EngineError(status, message, type_, code, retryable)

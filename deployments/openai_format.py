@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from deployments.engine_request import StreamItem
+
 
 def error_body(
     message: str,
@@ -23,7 +25,7 @@ def sse(data: dict[str, Any] | str) -> bytes:
 
 
 def usage(
-    lasts: list[dict[str, Any] | None], n: int = 1, count_completion: bool = True
+    lasts: list[StreamItem | None], n: int = 1, count_completion: bool = True
 ) -> dict[str, Any]:
     """Usage from each choice's final item, in choice order (choice ``i * n + k`` is prompt
     ``i``'s choice ``k``): each prompt counted once (as OpenAI does), with its cached tokens;
@@ -32,11 +34,9 @@ def usage(
     for start in range(0, len(lasts), n):
         head = next((x for x in lasts[start : start + n] if x is not None), None)
         if head is not None:
-            prompt += head["prompt_tokens"]
-            cached += head["cached_tokens"]
-    completion = (
-        sum(x["completion_tokens"] for x in lasts if x is not None) if count_completion else 0
-    )
+            prompt += head.prompt_tokens
+            cached += head.cached_tokens
+    completion = sum(x.completion_tokens for x in lasts if x is not None) if count_completion else 0
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -86,7 +86,7 @@ class ResponseBuilder:
             raise ValueError("echo: one per prompt")
         self.num_choices = n * num_prompts
         self.text_offsets = [0] * self.num_choices
-        self.lasts: list[dict[str, Any] | None] = [None] * self.num_choices
+        self.lasts: list[StreamItem | None] = [None] * self.num_choices
         self.echoed = [False] * self.num_choices
 
     def _token_str(self, token_id: int) -> str:
@@ -152,49 +152,49 @@ class ResponseBuilder:
         ]
         return body
 
-    def has_content(self, item: dict[str, Any]) -> bool:
+    def has_content(self, item: StreamItem) -> bool:
         """Whether the item makes a chunk: new text or logprobs, a finish, or an echo due."""
         return bool(
-            item["text"]
-            or item["finished"]
-            or item.get("logprobs")
-            or (self.echo is not None and not self.echoed[item.get("index", 0)])
+            item.text
+            or item.finished
+            or item.logprobs
+            or (self.echo is not None and not self.echoed[item.index])
         )
 
-    def _parts(self, index: int, items: list[dict[str, Any]]) -> tuple[str, list | None]:
+    def _parts(self, index: int, items: list[StreamItem]) -> tuple[str, list | None]:
         """Text and raw logprob entries of a choice's items, after its echo if that is due."""
-        text = "" if self.echo_only else "".join(i["text"] for i in items)
+        text = "" if self.echo_only else "".join(i.text for i in items)
         raw = None
-        if not self.echo_only and any(i.get("logprobs") for i in items):
-            raw = [x for i in items for x in (i.get("logprobs") or [])]
+        if not self.echo_only and any(i.logprobs for i in items):
+            raw = [x for i in items for x in (i.logprobs or [])]
         if self.echo is None or self.echoed[index]:
             return text, raw
         self.echoed[index] = True
         prompt = self.echo[index // self.n]
-        scored = next((i["prompt_logprobs"] for i in items if i.get("prompt_logprobs")), None)
+        scored = next((i.prompt_logprobs for i in items if i.prompt_logprobs), None)
         if scored is not None:
             # The first prompt token has nothing before it to be scored from.
             head = [(prompt.token_ids[0], None, None)]
             raw = head + [tuple(e) for e in scored[1:]] + (raw or [])
         return prompt.text + text, raw
 
-    def _finish_reason(self, item: dict[str, Any]) -> str | None:
-        return "length" if self.echo_only else item["finish_reason"]
+    def _finish_reason(self, item: StreamItem) -> str | None:
+        return "length" if self.echo_only else item.finish_reason
 
-    def chunk(self, item: dict[str, Any]) -> dict[str, Any]:
-        index = item.get("index", 0)
+    def chunk(self, item: StreamItem) -> dict[str, Any]:
+        index = item.index
         self.lasts[index] = item
         body = self._head(True)
-        finish = self._finish_reason(item) if item["finished"] else None
+        finish = self._finish_reason(item) if item.finished else None
         text, raw = self._parts(index, [item])
         lp = self.logprobs(raw, index)
         if self.chat:
-            delta = {"content": text} if text or not item["finished"] else {}
+            delta = {"content": text} if text or not item.finished else {}
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
-        if item["finished"]:
-            choice["stop_reason"] = item.get("stop_reason")
+        if item.finished:
+            choice["stop_reason"] = item.stop_reason
         body["choices"] = [choice]
         return body
 
@@ -206,17 +206,17 @@ class ResponseBuilder:
         return body
 
     # -- whole response --------------------------------------------------------------------------
-    def full(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+    def full(self, items: list[StreamItem]) -> dict[str, Any]:
         """The whole response from every item of every choice, in arrival order."""
-        by_choice: list[list[dict[str, Any]]] = [[] for _ in range(self.num_choices)]
+        by_choice: list[list[StreamItem]] = [[] for _ in range(self.num_choices)]
         for item in items:
-            by_choice[item.get("index", 0)].append(item)
+            by_choice[item.index].append(item)
         body = self._head(False)
         body["choices"] = [self._choice(k, its) for k, its in enumerate(by_choice)]
         body["usage"] = usage([its[-1] for its in by_choice], self.n, not self.echo_only)
         return body
 
-    def _choice(self, index: int, items: list[dict[str, Any]]) -> dict[str, Any]:
+    def _choice(self, index: int, items: list[StreamItem]) -> dict[str, Any]:
         last = items[-1]
         text, raw = self._parts(index, items)
         lp = self.logprobs(raw, index)
@@ -227,5 +227,5 @@ class ResponseBuilder:
             choice["text"] = text
         choice["logprobs"] = lp
         choice["finish_reason"] = self._finish_reason(last)
-        choice["stop_reason"] = last.get("stop_reason")
+        choice["stop_reason"] = last.stop_reason
         return choice

@@ -1,0 +1,270 @@
+"""Running a validated request on the engine and shaping its stream into the HTTP response.
+
+One engine request per prompt, each opened on an ``EngineBackend`` (a replica chosen by the
+request router through a handle, or the engine in this very process), their items merged into
+one response: JSON when the client waits for the whole answer, SSE otherwise.
+
+Failures: a prompt whose engine attempt fails before anything reached the client (the replica
+died, refused with 429, or its engine had died before the request got there) is tried again, up
+to the backend's ``max_attempts`` (another replica may succeed; a local backend has one). A
+non-streamed request is retried even after tokens were produced, since none were sent. A stream
+that already started ends with an SSE error event instead. A request that was running when its
+engine loop died is not retried (it may be what broke it): it gets a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+from fastapi.responses import JSONResponse, Response
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError
+
+from deployments.admission import Admission, Lease, LeasedStreamingResponse, gather, read_to_end
+from deployments.choices import merge_streams
+from deployments.config import AppArgs
+from deployments.engine_request import EngineError, EngineRequest, StreamItem
+from deployments.http_errors import HTTPError
+from deployments.openai_format import ResponseBuilder, error_body, sse
+from deployments.validation import GenerationJob
+from engine.block_hash import compute_block_hashes
+
+logger = logging.getLogger("ray.serve")
+T = TypeVar("T")
+
+RETRY_BACKOFF_S = 0.1
+
+
+class EngineStream(Protocol):
+    """One engine request's items: dicts (see ``EngineReplica._item``), the last with
+    ``done``; an error is an item with an ``error`` key. ``cancel`` aborts the request."""
+
+    def __anext__(self) -> Awaitable[StreamItem]: ...
+
+    def cancel(self) -> None: ...
+
+
+class EngineBackend(Protocol):
+    """Where engine requests run. ``max_attempts``: tries per prompt (1 when a retry would
+    land on the same engine)."""
+
+    max_attempts: int
+
+    def open(self, req: EngineRequest, index: int, num_prompts: int) -> EngineStream: ...
+
+
+class RetryableError(Exception):
+    """An engine attempt failed, or was full, before the client saw anything: try again (after
+    a pause when it failed). ``error`` is the answer if no attempt is left."""
+
+    def __init__(self, error: HTTPError, backoff: bool = True) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.backoff = backoff
+
+
+def _replica_header(items: list[StreamItem]) -> dict[str, str]:
+    """Which engine replica served the request (several, comma-separated, for several prompts)."""
+    return {"x-engine-replica": ",".join(dict.fromkeys(i.replica_id for i in items))}
+
+
+class Generation:
+    """Runs ``GenerationJob``s on one backend; one per HTTP-serving replica."""
+
+    def __init__(self, args: AppArgs, backend: EngineBackend, admission: Admission) -> None:
+        self.args = args
+        self.backend = backend
+        self.admission = admission
+        self.block_size = args.engine.block_size
+        # Must equal the engine's salt (EngineConfig.hash_salt defaults to the model name).
+        self.hash_salt = args.model
+        self.retry_after = {"Retry-After": str(args.limits.retry_after_s)}
+
+    def overloaded(self, what: str, queue: str) -> HTTPError:
+        self.admission.metrics.rejected[queue].inc()
+        return HTTPError(
+            429,
+            f"server overloaded: {what}; retry later",
+            "overloaded_error",
+            code="overloaded",
+            headers=self.retry_after,
+        )
+
+    def check_capacity(self) -> None:
+        """Cheap early refusal, before the body is read or tokenized."""
+        if self.admission.full:
+            raise self.overloaded(
+                f"{self.admission.inflight} requests in flight (limit {self.admission.limit})",
+                "ingress",
+            )
+
+    def engine_requests(self, job: GenerationJob) -> list[EngineRequest]:
+        rid = job.builder.id
+        return [
+            EngineRequest(
+                request_id=rid if len(job.prompts) == 1 else f"{rid}-{i}",
+                prompt_token_ids=ids,
+                sampling=job.params,
+                block_hashes=compute_block_hashes(ids, self.block_size, self.hash_salt),
+                priority=job.priority,
+                timeout_s=self.args.limits.request_timeout_s,
+                stream=job.stream,
+                n=job.n,
+            )
+            for i, ids in enumerate(job.prompts)
+        ]
+
+    async def run(self, job: GenerationJob) -> Response:
+        self.check_capacity()  # again: the body was read since, other requests came in
+        engine_reqs = self.engine_requests(job)
+        # No await between the check above and this count: admission is atomic.
+        lease = self.admission.lease(len(engine_reqs))
+        handed_off = False
+        try:
+            if job.stream:
+                firsts = await gather(
+                    [self._open(lease, i, r, job.n) for i, r in enumerate(engine_reqs)]
+                )
+                handed_off = True
+                return LeasedStreamingResponse(
+                    self._sse(lease, firsts, job.builder, job.include_usage),
+                    lease,
+                    media_type="text/event-stream",
+                    headers=_replica_header(firsts),
+                )
+            results = await gather(
+                [self._complete(lease, i, r, job.n) for i, r in enumerate(engine_reqs)]
+            )
+            items = [item for its in results for item in its]
+            return JSONResponse(job.builder.full(items), headers=_replica_header(items))
+        finally:
+            if not handed_off:
+                lease.release()
+
+    async def _retry_pause(self, e: RetryableError, attempt: int) -> None:
+        """Before attempt ``attempt + 1``; raises the error once the attempts are used up."""
+        logger.warning("engine attempt %d failed: %s", attempt, e)
+        if attempt >= self.backend.max_attempts:
+            raise e.error from e
+        self.admission.metrics.retries.inc()
+        if e.backoff:
+            await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+
+    async def _attempt(
+        self,
+        lease: Lease,
+        i: int,
+        engine_req: EngineRequest,
+        n: int,
+        read: Callable[[Any, int], Awaitable[T]],
+    ) -> T:
+        """``read(stream, index offset)`` on prompt ``i``'s stream, again while it fails in a
+        way another attempt may not."""
+        attempt = 1
+        while True:
+            stream = lease.streams[i] = self.backend.open(engine_req, i, len(lease.streams))
+            try:
+                return await read(stream, i * n)
+            except RetryableError as e:
+                stream.cancel()
+                await self._retry_pause(e, attempt)
+                attempt += 1
+
+    async def _open(self, lease: Lease, i: int, engine_req: EngineRequest, n: int) -> dict:
+        """Start prompt ``i``'s stream: its first item."""
+        return await self._attempt(lease, i, engine_req, n, self._next_item)
+
+    async def _complete(
+        self, lease: Lease, i: int, engine_req: EngineRequest, n: int
+    ) -> list[StreamItem]:
+        """Prompt ``i``'s every item; retried as a whole, since nothing was sent yet."""
+        items = await self._attempt(lease, i, engine_req, n, self._collect)
+        lease.ended[i] = True
+        await read_to_end(lease.streams[i])
+        return items
+
+    async def _collect(self, stream: Any, offset: int) -> list[StreamItem]:
+        items = [await self._next_item(stream, offset)]
+        while not items[-1].done:
+            items.append(await self._next_item(stream, offset))
+        return items
+
+    async def _next_item(self, stream: Any, offset: int = 0) -> StreamItem:
+        """The stream's next item, its choice index moved up by ``offset`` (the prompt's first
+        choice); an engine failure becomes ``HTTPError`` or, when another attempt may succeed,
+        ``RetryableError``."""
+        try:
+            item = await stream.__anext__()
+        except StopAsyncIteration as e:
+            raise RetryableError(self._unavailable("engine stream ended early")) from e
+        except BackPressureError as e:
+            raise self.overloaded("engine queue is full", "engine_queue") from e
+        except RayActorError as e:
+            # The replica died (or is unreachable): Serve routes the retry elsewhere.
+            raise RetryableError(self._unavailable(f"engine replica failed: {e!r}")) from e
+        except Exception as e:
+            logger.warning("engine call failed: %r", e)
+            raise self._unavailable(f"engine unavailable: {type(e).__name__}") from e
+        if isinstance(item, EngineError):
+            if item.retryable:  # never reached a working engine
+                raise RetryableError(self._unavailable(item.message))
+            if item.status == 429:
+                # The router's view of replica load lags; another replica may have room.
+                self.admission.metrics.rejected["engine_replica"].inc()
+                raise RetryableError(self._item_error(item), backoff=False)
+            raise self._item_error(item)
+        item.index += offset
+        return item
+
+    def _item_error(self, err: EngineError) -> HTTPError:
+        headers = self.retry_after if err.status in (429, 503) else None
+        return HTTPError(err.status, err.message, err.type, code=err.code, headers=headers)
+
+    def _unavailable(self, message: str) -> HTTPError:
+        return HTTPError(
+            503, message, "service_unavailable", code="engine_unavailable", headers=self.retry_after
+        )
+
+    async def _sse(
+        self,
+        lease: Lease,
+        firsts: list[StreamItem],
+        builder: ResponseBuilder,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        async def prompt_items(i: int) -> AsyncIterator[StreamItem]:
+            item = firsts[i]
+            while True:
+                yield item
+                if item.done:
+                    lease.ended[i] = True
+                    return
+                item = await self._next_item(lease.streams[i], i * builder.n)
+
+        try:
+            if builder.chat:
+                for index in range(builder.num_choices):
+                    yield sse(builder.role_chunk(index))
+            merged = merge_streams([prompt_items(i) for i in range(len(firsts))])
+            try:
+                async for _, item in merged:
+                    if builder.has_content(item):
+                        yield sse(builder.chunk(item))
+                if include_usage:
+                    yield sse(builder.usage_chunk())
+            except (HTTPError, RetryableError) as e:
+                # Tokens already went out: the stream ends with an error event.
+                err = e.error if isinstance(e, RetryableError) else e
+                logger.warning("engine stream failed: %s", err)
+                yield sse(error_body(str(err), err.type, err.param, err.code))
+            finally:
+                await merged.aclose()
+            yield b"data: [DONE]\n\n"
+            for stream, ended in zip(lease.streams, lease.ended, strict=True):
+                if ended:
+                    await read_to_end(stream)
+        finally:
+            lease.release()

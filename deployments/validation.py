@@ -1,0 +1,207 @@
+"""The one owner of request validation and prompt limits on the HTTP side.
+
+``RequestValidator.completion`` and ``.chat`` turn a parsed JSON body into a ``GenerationJob``:
+the prompts as token ids, the sampling parameters as a ``SamplingParams`` object and the response
+builder. Every check a client can fail happens here, before any engine sees the request, and
+fails with ``HTTPError`` naming the field: the model, body shape, tokenization, the chat
+template, token ids in range, prompt length, context length and ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from deployments.config import AppArgs
+from deployments.http_errors import HTTPError, validation_message
+from deployments.openai_format import Echo, ResponseBuilder
+from deployments.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from engine.model.config import model_config_from_hf
+from engine.model.loader import load_hf_config, load_tokenizer, resolve_model
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerationJob:
+    """A validated request: one engine request per prompt, ``n`` choices each."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    builder: ResponseBuilder
+    n: int
+    stream: bool
+    include_usage: bool
+    priority: int
+
+
+class RequestValidator:
+    """Holds the tokenizer and the limits; stateless per request."""
+
+    def __init__(self, args: AppArgs) -> None:
+        self.args = args
+        model_dir = resolve_model(args.model)
+        hf_config, generation_config = load_hf_config(model_dir)
+        model_cfg = model_config_from_hf(hf_config, generation_config)
+        self.vocab_size = model_cfg.vocab_size
+        self.max_model_len = args.engine.max_model_len or model_cfg.max_position_embeddings
+        self.tokenizer = load_tokenizer(args.tokenizer or model_dir)
+        self.model_name = args.model_name
+
+    # -- body --------------------------------------------------------------------------------
+    def parse_json(self, body: bytes) -> Any:
+        try:
+            return json.loads(body)
+        # ValueError covers integers too long to convert; RecursionError, deep nesting.
+        except (ValueError, RecursionError) as e:
+            raise HTTPError(400, f"body is not valid JSON: {e}") from e
+
+    def _parse(self, model: type[BaseModel], body: Any) -> Any:
+        if not isinstance(body, dict):
+            raise HTTPError(400, "body must be a JSON object")
+        try:
+            return model.model_validate(body)
+        except ValidationError as e:
+            message, param = validation_message(e)
+            raise HTTPError(400, message, param=param) from e
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise HTTPError(
+                400,
+                f"model: {name!r} is not served here (serving {self.model_name!r})",
+                param="model",
+                code="model_not_found",
+            )
+
+    # -- prompts -----------------------------------------------------------------------------
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            if any(not 0 <= t < self.vocab_size for t in prompt):
+                raise HTTPError(
+                    400, f"prompt: token ids must be in [0, {self.vocab_size})", param="prompt"
+                )
+            return prompt
+        if self.tokenizer is None:
+            raise HTTPError(
+                400, "prompt: this model has no tokenizer; send token ids", param="prompt"
+            )
+        try:
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        except Exception as e:  # noqa: BLE001 - e.g. lone surrogates: the client's input
+            raise HTTPError(400, f"prompt: cannot be tokenized: {e}", param="prompt") from e
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
+
+    def _chat_tokens(self, req: ChatCompletionRequest) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise HTTPError(
+                400,
+                "messages: this model has no chat template; use /v1/completions",
+                param="messages",
+            )
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                req.conversation(),
+                add_generation_prompt=req.add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+            )
+        except Exception as e:  # noqa: BLE001 - template errors are the client's input
+            raise HTTPError(400, f"messages: chat template failed: {e}", param="messages") from e
+        return list(ids)
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        if any(t >= self.vocab_size for t in params.logit_bias):
+            raise HTTPError(
+                400, f"logit_bias: token ids must be in [0, {self.vocab_size})", param="logit_bias"
+            )
+
+    def _check_lengths(self, prompt_ids: list[int], max_tokens: int, param: str) -> None:
+        if not prompt_ids:
+            raise HTTPError(400, "prompt: must not be empty", param="prompt")
+        limit = self.args.limits.max_prompt_tokens
+        if limit and len(prompt_ids) > limit:
+            raise HTTPError(
+                400, f"prompt: {len(prompt_ids)} tokens exceed the limit of {limit}", param="prompt"
+            )
+        if len(prompt_ids) + max_tokens > self.max_model_len:
+            raise HTTPError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {len(prompt_ids)} and {param} asks for {max_tokens} more.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if max_tokens > self.args.limits.max_tokens:
+            raise HTTPError(
+                400, f"{param}: must be at most {self.args.limits.max_tokens}", param=param
+            )
+
+    # -- requests ----------------------------------------------------------------------------
+    def completion(self, body: Any) -> GenerationJob:
+        req = self._parse(CompletionRequest, body)
+        self._check_model(req.model)
+        try:
+            prompts = req.prompts()
+            # OpenAI's default for completions, within the configured limit.
+            params = req.to_sampling_params(default_max_tokens=min(16, self.args.limits.max_tokens))
+        except ProtocolError as e:
+            raise HTTPError(400, str(e), param=e.param) from e
+        prompt_ids = [self._tokenize(p) for p in prompts]
+        for ids in prompt_ids:
+            self._check_lengths(ids, params.max_tokens, "max_tokens")
+        self._check_logit_bias(params)
+        echo = None
+        if req.echo:
+            echo = [
+                Echo(p if isinstance(p, str) else self._decode(ids), ids)
+                for p, ids in zip(prompts, prompt_ids, strict=True)
+            ]
+        builder = ResponseBuilder(
+            "completion",
+            f"cmpl-{uuid.uuid4().hex}",
+            self.model_name,
+            self.tokenizer,
+            req.n,
+            num_prompts=len(prompts),
+            echo=echo,
+            echo_only=req.echo_only,
+        )
+        return self._job(req, prompt_ids, params, builder)
+
+    def chat(self, body: Any) -> GenerationJob:
+        req = self._parse(ChatCompletionRequest, body)
+        self._check_model(req.model)
+        prompt_ids = self._chat_tokens(req)
+        # Chat defaults to "until the context is full", capped by the configured limit.
+        default_max = max(1, min(self.args.limits.max_tokens, self.max_model_len - len(prompt_ids)))
+        try:
+            params = req.to_sampling_params(default_max_tokens=default_max)
+        except ProtocolError as e:
+            raise HTTPError(400, str(e), param=e.param) from e
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        self._check_lengths(prompt_ids, params.max_tokens, param)
+        self._check_logit_bias(params)
+        builder = ResponseBuilder(
+            "chat", f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, req.n
+        )
+        return self._job(req, [prompt_ids], params, builder)
+
+    @staticmethod
+    def _job(
+        req: Any, prompts: list[list[int]], params: SamplingParams, builder: ResponseBuilder
+    ) -> GenerationJob:
+        return GenerationJob(
+            prompts=prompts,
+            params=params,
+            builder=builder,
+            n=req.n,
+            stream=bool(req.stream),
+            include_usage=req.include_usage,
+            priority=req.priority,
+        )
