@@ -1,6 +1,6 @@
 """Optional native (C, OpenMP) kernels, loaded through ctypes: paged attention over a flat batch,
 a row-wise argmax for greedy sampling, fused elementwise ops (``engine.model.fused``) and bf16
-linear layers on AMX for decode-sized batches (``engine.model.linear``).
+linear layers for decode-sized batches on AMX or AVX512-BF16 (``engine.model.linear``).
 
 The kernel is compiled on first use with the system C compiler (``$CC`` or ``cc``) into the cache
 directory, keyed by a hash of its source, the compiler flags and the CPU, so a process builds it
@@ -38,6 +38,7 @@ SOURCES = (
     CSRC / "fused_ops.c",
     CSRC / "argmax.c",
     CSRC / "amx_linear.c",
+    CSRC / "decode_linear.c",
     CSRC / "llama_forward.c",
 )
 HEADERS = (CSRC / "amx.h", CSRC / "bf16.h", CSRC / "bf16x16.h", CSRC / "vec16.h")
@@ -155,10 +156,14 @@ def load() -> ctypes.CDLL | None:
     lib.merge_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i64, i64, i32, i32]
     lib.amx_linear_available.restype = i32
     lib.amx_linear_available.argtypes = []
-    lib.amx_pack_weight.restype = None
-    lib.amx_pack_weight.argtypes = [ptr, i64, i64, i32, ptr]
-    lib.amx_linear.restype = i32
-    lib.amx_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, i32, ptr, i64, i32]
+    lib.bf16_linear_available.restype = i32
+    lib.bf16_linear_available.argtypes = []
+    lib.decode_pack_weight.restype = None
+    lib.decode_pack_weight.argtypes = [ptr, i64, i64, i32, ptr]
+    for name in ("amx_linear", "bf16_linear"):
+        kernel = getattr(lib, name)
+        kernel.restype = i32
+        kernel.argtypes = [ptr, i64, i64, i64, ptr, i64, i32, ptr, i64, i32]
     lib.llama_forward_bf16.restype = i32
     lib.llama_forward_bf16.argtypes = [
         ptr,
@@ -217,52 +222,86 @@ def available() -> bool:
 
 @functools.cache
 def amx_available() -> bool:
-    """Whether :func:`amx_linear` runs here: the library was built for a CPU with AMX (bf16) and
+    """Whether the AMX kernels run here: the library was built for a CPU with AMX (bf16) and
     Linux granted the process the tile state."""
     lib = load()
     return lib is not None and bool(lib.amx_linear_available())
 
 
-def _amx_packed_numel(out_features: int, in_features: int, gated: bool) -> int:
+@functools.cache
+def avx512_bf16_available() -> bool:
+    """Whether the AVX512-BF16 decode linear kernel runs here: the CPU reports ``avx512_bf16``
+    and the library was built with it (``-march=native`` on such a CPU)."""
+    lib = load()
+    return lib is not None and "avx512_bf16" in cpu_flags() and bool(lib.bf16_linear_available())
+
+
+# The decode linear kernels, by the name PackedWeight.kind and decode_linear take.
+DECODE_KERNELS = {"amx": "amx_linear", "avx512_bf16": "bf16_linear"}
+
+
+@functools.cache
+def decode_linear_kind() -> str | None:
+    """The decode linear kernel this process runs (``csrc/decode_linear.c``): ``"amx"`` where
+    AMX may be used, else ``"avx512_bf16"`` where the CPU has AVX512-BF16 (AMD Zen 4, Intel
+    Cooper Lake), else None. The C side (``decode_linear``, which the one-call decoder stack
+    calls) makes the same choice."""
+    if amx_available():
+        return "amx"
+    if avx512_bf16_available():
+        return "avx512_bf16"
+    return None
+
+
+def _decode_packed_numel(out_features: int, in_features: int, gated: bool) -> int:
     pairs = -(-out_features // 2 // 16) if gated else -(-out_features // 32)
     return pairs * 2 * -(-in_features // 32) * 512
 
 
-def amx_pack_weight(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
-    """``weight [out, in]`` (bf16, CPU) in the tile layout :func:`amx_linear` streams (see
-    ``csrc/amx_linear.c``), or None without AMX. ``gated``: the weight is ``[gate; up]`` (an
-    even number of rows) and the copy is for :func:`amx_linear`'s SiLU epilogue only."""
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not amx_available():
+def decode_pack_weight(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
+    """``weight [out, in]`` (bf16, CPU) in the tile layout the decode linear kernels stream
+    (both kinds read the same one; see ``csrc/decode_linear.c``), or None where neither kernel
+    runs. ``gated``: the weight is ``[gate; up]`` (an even number of rows) and the copy is for
+    :func:`decode_linear`'s SiLU epilogue only."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or decode_linear_kind() is None:
         return None
     n, k = weight.shape
     if gated and n % 2:
-        raise ValueError(f"amx_pack_weight: a gated weight has an even number of rows, got {n}")
+        raise ValueError(f"decode_pack_weight: a gated weight has an even number of rows, got {n}")
     lib = load()
     assert lib is not None
     w = weight.detach().contiguous()
-    out = torch.empty(_amx_packed_numel(n, k, gated), dtype=torch.bfloat16)
-    lib.amx_pack_weight(w.data_ptr(), n, k, int(gated), out.data_ptr())
+    out = torch.empty(_decode_packed_numel(n, k, gated), dtype=torch.bfloat16)
+    lib.decode_pack_weight(w.data_ptr(), n, k, int(gated), out.data_ptr())
     return out
 
 
-def amx_linear(
-    x: torch.Tensor, packed: torch.Tensor, out_features: int, gated: bool = False
+def decode_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    gated: bool = False,
+    kind: str | None = None,
 ) -> torch.Tensor | None:
-    """``x [rows, in] @ weight.T`` in bf16 with float32 sums, from :func:`amx_pack_weight`'s
+    """``x [rows, in] @ weight.T`` in bf16 with float32 sums, from :func:`decode_pack_weight`'s
     copy of ``weight [out_features, in]``; with ``gated``, ``silu(gate) * up`` of that product
-    instead (``[rows, out_features / 2]``, rounded as the eager bf16 ops round). None (the caller
-    falls back) when ``x`` is not a bf16 CPU matrix with contiguous rows or the kernel cannot
-    run."""
+    instead (``[rows, out_features / 2]``, rounded as the eager bf16 ops round). ``kind``: the
+    kernel (a key of ``DECODE_KERNELS``), by default :func:`decode_linear_kind`'s. None (the
+    caller falls back) when ``x`` is not a bf16 CPU matrix with contiguous rows or the kernel
+    cannot run."""
     lib = load()
-    if lib is None or x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
+    kind = kind or decode_linear_kind()
+    if lib is None or kind is None or x.dtype != torch.bfloat16 or x.dim() != 2:
+        return None
+    if x.stride(1) != 1 or x.device.type != "cpu":
         return None
     rows, k = x.shape
-    if packed.numel() != _amx_packed_numel(out_features, k, gated):
-        raise ValueError(f"amx_linear: packed weight does not match [{out_features}, {k}]")
+    if packed.numel() != _decode_packed_numel(out_features, k, gated):
+        raise ValueError(f"decode_linear: packed weight does not match [{out_features}, {k}]")
     y = torch.empty(rows, out_features // 2 if gated else out_features, dtype=torch.bfloat16)
     if rows == 0:
         return y
-    rc = lib.amx_linear(
+    rc = getattr(lib, DECODE_KERNELS[kind])(
         x.data_ptr(),
         rows,
         k,

@@ -14,10 +14,12 @@ emulated at roughly the cost of one matrix-vector product per input row: at 64 r
 therefore widens the bf16 weight to float32 a slice at a time, multiplies in float32 and rounds
 the output to bf16 (see :func:`upcast_linear`).
 
-On a CPU with AMX, bf16 inputs of up to ``AMX_MAX_ROWS`` rows (decode steps) take this
+On a CPU with AMX, bf16 inputs of up to ``decode_max_rows()`` rows (decode steps) take this
 project's AMX kernel instead (``csrc/amx_linear.c``): with its own tile layout of the weight it
 streams the weights ~1.1-1.3x faster than oneDNN at 1-64 rows, where a step is bound by reading
-them. That layout is a third copy of the bf16 weights in memory.
+them. On a CPU with AVX512-BF16 but no AMX (AMD Zen 4) the same layout feeds a ``vdpbf16ps``
+kernel (``csrc/decode_linear.c``), 1.1-1.7x faster than oneDNN there from 1 to 96 rows. That
+layout is a third copy of the bf16 weights in memory.
 """
 
 from __future__ import annotations
@@ -72,23 +74,34 @@ UPCAST_SLICE_ELEMS = 1 << 20
 _scratch = threading.local()
 
 
-# bf16 inputs of up to this many rows take the AMX kernel where it runs: it beat oneDNN from 1
-# to 64 rows, tied at 128 and lost at 256 (``python -m benchmarks.floors``, Sapphire Rapids).
-AMX_MAX_ROWS = 96
+# bf16 inputs of up to this many rows take the decode linear kernel of this kind
+# (``native.decode_linear_kind()``), oneDNN beyond. AMX beat oneDNN from 1 to 64 rows, tied at
+# 128 and lost at 256 (``python -m benchmarks.floors``, Sapphire Rapids); the AVX512-BF16 kernel
+# beat oneDNN from 1 to 128 rows on Zen 4 (docs/performance.md), and prefill keeps oneDNN.
+DECODE_MAX_ROWS = {"amx": 96, "avx512_bf16": 96}
+
+
+def decode_max_rows() -> int:
+    """The most rows this machine's decode linear kernel takes (0 where none runs)."""
+    kind = native.decode_linear_kind()
+    return DECODE_MAX_ROWS[kind] if kind is not None else 0
 
 
 @dataclass(frozen=True)
 class PackedWeight:
     """Copies of one linear weight ``[out_features, in]``, made once from it at load time and
     stale as soon as it changes: ``onednn`` in oneDNN's blocked layout (bf16 at any rows, fp32 at
-    ``FP32_PACKED_ROWS``), ``amx`` in the AMX kernel's tiles (bf16, up to ``AMX_MAX_ROWS`` rows,
-    None without AMX). At least one is set. ``gated``: the weight is an MLP's ``[gate; up]`` and
-    ``amx`` serves :func:`silu_mul_linear` only (its tiles pair gate and up features)."""
+    ``FP32_PACKED_ROWS``), ``decode`` in the decode linear kernels' tiles (bf16, up to
+    ``DECODE_MAX_ROWS[kind]`` rows, None where neither kernel runs), ``kind`` the kernel that
+    reads them (``"amx"`` or ``"avx512_bf16"``, see ``native.decode_linear_kind``). At least one
+    copy is set. ``gated``: the weight is an MLP's ``[gate; up]`` and ``decode`` serves
+    :func:`silu_mul_linear` only (its tiles pair gate and up features)."""
 
     onednn: torch.Tensor | None
-    amx: torch.Tensor | None
+    decode: torch.Tensor | None
     out_features: int
     gated: bool = False
+    kind: str | None = None
 
 
 def pack_weight(weight: torch.Tensor, gated: bool = False) -> PackedWeight | None:
@@ -96,11 +109,12 @@ def pack_weight(weight: torch.Tensor, gated: bool = False) -> PackedWeight | Non
     or None when there are none. ``gated``: ``weight`` is ``[gate; up]`` (see PackedWeight)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
-    amx = native.amx_pack_weight(weight, gated) if weight.dtype == torch.bfloat16 else None
+    decode = native.decode_pack_weight(weight, gated) if weight.dtype == torch.bfloat16 else None
     onednn = _onednn_pack(weight)
-    if onednn is None and amx is None:
+    if onednn is None and decode is None:
         return None
-    return PackedWeight(onednn, amx, weight.shape[0], gated)
+    kind = native.decode_linear_kind() if decode is not None else None
+    return PackedWeight(onednn, decode, weight.shape[0], gated, kind)
 
 
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -127,8 +141,8 @@ def linear(
     bias: torch.Tensor | None = None,
     packed: PackedWeight | None = None,
 ) -> torch.Tensor:
-    if _takes_amx(x, bias, packed) and not packed.gated:
-        y = native.amx_linear(x, packed.amx, packed.out_features)
+    if _takes_decode_kernel(x, bias, packed) and not packed.gated:
+        y = native.decode_linear(x, packed.decode, packed.out_features, kind=packed.kind)
         if y is not None:
             return y
     if (
@@ -153,23 +167,24 @@ def silu_mul_linear(
     packed: PackedWeight | None,
 ) -> torch.Tensor | None:
     """``silu(gate) * up`` of ``linear(x, weight, bias, packed)`` for an MLP's ``[gate; up]``
-    weight packed with ``gated=True``, in one pass over the weights on AMX: the product's
-    ``[rows, 2 * inter]`` is never written. None where that path does not apply (the caller
-    computes the two steps)."""
-    if not (_takes_amx(x, bias, packed) and packed.gated):
+    weight packed with ``gated=True``, in one pass over the weights in the decode linear kernel:
+    the product's ``[rows, 2 * inter]`` is never written. None where that path does not apply
+    (the caller computes the two steps)."""
+    if not (_takes_decode_kernel(x, bias, packed) and packed.gated):
         return None
-    return native.amx_linear(x, packed.amx, packed.out_features, gated=True)
+    return native.decode_linear(x, packed.decode, packed.out_features, True, packed.kind)
 
 
-def _takes_amx(
+def _takes_decode_kernel(
     x: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
 ) -> TypeGuard[PackedWeight]:
     return (
         packed is not None
-        and packed.amx is not None
+        and packed.decode is not None
+        and packed.kind is not None
         and bias is None
         and x.dtype == torch.bfloat16
-        and x.shape[0] <= AMX_MAX_ROWS
+        and x.shape[0] <= DECODE_MAX_ROWS[packed.kind]
     )
 
 

@@ -172,7 +172,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def prepack_linear_weights(self) -> bool:
-        """Pack every linear weight for the CPU kernels (oneDNN; AMX too in bf16). Call after
+        """Pack every linear weight for the CPU kernels (oneDNN; in bf16 the decode kernels' tiles
+        too, AMX or AVX512-BF16). Call after
         loading weights and moving the model; returns whether packing is in use. The original
         parameters stay (the embedding shares the LM head's weight; reloading weights needs
         them) and are what other inputs use."""

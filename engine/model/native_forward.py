@@ -2,13 +2,16 @@
 
 :meth:`LlamaForCausalLM._forward_fused` calls ~9 native kernels per layer; at decode batch sizes
 the Python around them (wrappers, ctypes crossings, a fresh tensor per output) and the idle
-OpenMP threads between them cost 7.6 ms of a 45.5 ms step at batch 64, 2.3 ms with one call. :class:`NativeForward` describes the model to C once (shapes, and per
-layer pointers to the norm weights, the AMX-packed weights and the KV cache) and then runs a
+OpenMP threads between them cost 7.6 ms of a 45.5 ms step at batch 64, 2.3 ms with one call.
+:class:`NativeForward` describes the model to C once (shapes, and per layer pointers to the norm
+weights, the decode-packed weights and the KV cache) and then runs a
 step's whole stack in one call: the same kernels in the same order, so the hidden states are
 bit for bit those of the Python loop (tested).
 
 It applies only where every piece of that loop would have taken the native path: bf16 on CPU
-with the fused kernels, AMX-packed weights without biases, at most ``AMX_MAX_ROWS`` tokens, and
+with the fused kernels, weights packed for the decode linear kernel (AMX, or AVX512-BF16 on CPUs
+without AMX such as AMD Zen 4; ``csrc/decode_linear.c`` picks the same kind as
+``native.decode_linear_kind``) without biases, at most ``decode_max_rows()`` tokens, and
 an attention backend whose step is one native call over the whole batch
 (``AttentionBackend.native_step``). Anything else returns None from :meth:`run` and the caller
 takes the Python loop.
@@ -27,7 +30,7 @@ import torch
 
 from engine.attention import native
 from engine.attention.base import AttentionMetadata
-from engine.model.linear import AMX_MAX_ROWS
+from engine.model.linear import decode_max_rows
 
 if TYPE_CHECKING:
     from engine.model.llama import LlamaForCausalLM
@@ -78,7 +81,8 @@ class NativeForward:
         """Whether the model's weights allow the native stack at all."""
         if model.embed.dtype != torch.bfloat16 or model.embed.device.type != "cpu":
             return False
-        if not native.amx_available() or model.rope_cos.dtype != torch.float32:
+        kind = native.decode_linear_kind()
+        if kind is None or model.rope_cos.dtype != torch.float32:
             return False
         for layer in model.layers:
             if any(
@@ -87,7 +91,10 @@ class NativeForward:
             ):
                 return False
             packed = layer.packed
-            if any(packed[name] is None or packed[name].amx is None for name in packed):
+            if any(
+                packed[name] is None or packed[name].decode is None or packed[name].kind != kind
+                for name in packed
+            ):
                 return False
             if not packed["gate_up"].gated:
                 return False
@@ -102,10 +109,10 @@ class NativeForward:
         per_layer = {
             "input_norm": [layer.input_norm for layer in layers],
             "post_norm": [layer.post_norm for layer in layers],
-            "qkv": [layer.packed["qkv"].amx for layer in layers],
-            "o": [layer.packed["o"].amx for layer in layers],
-            "gate_up": [layer.packed["gate_up"].amx for layer in layers],
-            "down": [layer.packed["down"].amx for layer in layers],
+            "qkv": [layer.packed["qkv"].decode for layer in layers],
+            "o": [layer.packed["o"].decode for layer in layers],
+            "gate_up": [layer.packed["gate_up"].decode for layer in layers],
+            "down": [layer.packed["down"].decode for layer in layers],
             "k_cache": [k for k, _ in kv_caches],
             "v_cache": [v for _, v in kv_caches],
         }
@@ -139,7 +146,7 @@ class NativeForward:
         """The final normed hidden states ``[T, hidden]``, or None where the step does not
         qualify (the caller runs the Python loop)."""
         t = input_ids.shape[0]
-        if t == 0 or t > AMX_MAX_ROWS or len(kv_caches) != self.model.cfg.num_layers:
+        if t == 0 or t > decode_max_rows() or len(kv_caches) != self.model.cfg.num_layers:
             return None
         seqs = self.model.backend.native_step(meta)
         if seqs is None:

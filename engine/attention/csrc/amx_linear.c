@@ -8,11 +8,10 @@
  * streams one contiguous run of memory, and each pair of weight tiles is multiplied with every
  * row tile of x while it is in cache (~15 GB/s at 64 rows, ~24 at 1 row).
  *
- * Packed layout (amx_pack_weight): for n-block nb (16 output features starting at weight row
- * block_row(nb)) and k-block kb (32 input features), tile (nb, kb) sits at element
- * (nb * KB + kb) * 512 and holds tile[p][n][j] = W[block_row(nb) + n][32 kb + 2 p + j] for
- * p < 16, n < 16, j < 2: the pairs-of-rows ("VNNI") layout AMX wants for its second operand.
- * Features past N or K are zero; the kernel reads n-blocks two at a time (a pair).
+ * Packed layout: decode_pack_weight's (decode_linear.c), shared with the AVX512-BF16 kernel:
+ * 1 KiB tiles, tile (nb, kb) at element (nb * KB + kb) * 512 holding 16 output features x 32
+ * inputs in the pairs-of-rows ("VNNI") layout AMX wants for its second operand. The kernel
+ * reads n-blocks two at a time (a pair).
  *
  * Tile registers: 0-3 sums (16 rows x 16 features, float32), 4-5 rows of x, 6-7 weights. */
 #define _GNU_SOURCE /* syscall() */
@@ -50,35 +49,9 @@ static void configure_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* First weight row of n-block b: consecutive blocks, or for a gated weight ([gate; up], n = 2 *
- * inter) gate block b / 2 and up block b / 2 alternating, so that each pair the kernel reads
- * holds the gate and the up features of the same 16 outputs. */
-static inline int64_t block_row(int64_t b, int64_t n, int gated) {
-    return gated ? (b & 1 ? n / 2 : 0) + 16 * (b >> 1) : 16 * b;
-}
-
-void amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, int gated, uint16_t *out) {
-    const int64_t NB = 2 * (gated ? (n / 2 + 15) / 16 : (n + 31) / 32), KB = (k + 31) / 32;
-#pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < NB; nb++) {
-        const int64_t first = block_row(nb, n, gated);
-        /* Rows of this block's half (all of W when not gated). */
-        const int64_t end = gated ? (nb & 1 ? n : n / 2) : n;
-        for (int64_t kb = 0; kb < KB; kb++) {
-            uint16_t *tile = out + (nb * KB + kb) * 512;
-            for (int p = 0; p < 16; p++)
-                for (int c = 0; c < 16; c++)
-                    for (int j = 0; j < 2; j++) {
-                        const int64_t row = first + c, col = 32 * kb + 2 * p + j;
-                        tile[(p * 16 + c) * 2 + j] = row < end && col < k ? w[row * k + col] : 0;
-                    }
-        }
-    }
-}
-
 /* The weight pair this many pairs ahead is requested into L2 during the first row pass. */
 #define PREFETCH_PAIRS 4
-/* x: [m, k] with row stride x_stride (elements); wp: amx_pack_weight's output for [n, k];
+/* x: [m, k] with row stride x_stride (elements); wp: decode_pack_weight's output for [n, k];
  * y: [m, n] with row stride y_stride, or when gated [m, n / 2] = silu(gate) * up, rounded as
  * the eager bf16 ops round (silu_mul16). Returns 0, or -1 without AMX or memory.
  *
@@ -191,10 +164,6 @@ int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const 
 #else
 
 int amx_linear_available(void) { return 0; }
-
-void amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, int gated, uint16_t *out) {
-    (void)w; (void)n; (void)k; (void)gated; (void)out;
-}
 
 int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const uint16_t *wp,
                int64_t n, int gated, uint16_t *y, int64_t y_stride, int num_threads) {

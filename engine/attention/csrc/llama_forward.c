@@ -1,15 +1,16 @@
 /* A whole Llama decoder forward for a decode-sized bf16 batch in one call: the same native
  * kernels, in the same order and with the same arguments, as LlamaForCausalLM._forward_fused
- * with the AMX linears and one paged-attention call per layer, so the result is bit for bit the
- * one the Python loop computes. What it saves is the loop itself: ~9 kernel calls per layer, each
+ * with the decode linears (decode_linear: AMX where the process may use it, else AVX512-BF16)
+ * and one paged-attention call per layer, so the result is bit for bit the one the Python loop
+ * computes. What it saves is the loop itself: ~9 kernel calls per layer, each
  * a Python wrapper, a ctypes crossing and a fresh output tensor, with OpenMP's threads idle in
  * between. At batch 64 (30 layers) the time outside the kernels went from 7.6 to 2.3 ms of a
  * decode step (45.5 -> 39.9 ms).
  *
- * The model is described once (llama_model: shapes, and per layer the norm weights, the
- * AMX-packed linear weights and the KV cache tensors, all owned by Python and alive for as long
- * as the description is used); a step passes the embedded input rows and the attention
- * metadata of its sequences. */
+ * The model is described once (llama_model: shapes, and per layer the norm weights, the linear
+ * weights as decode_pack_weight packs them and the KV cache tensors, all owned by Python and
+ * alive for as long as the description is used); a step passes the embedded input rows and the
+ * attention metadata of its sequences. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -23,7 +24,7 @@ typedef struct {
     const float *rope_cos, *rope_sin;                     /* [max_pos, head_dim / 2] */
 } llama_model;
 
-int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const uint16_t *wp,
+int decode_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const uint16_t *wp,
                int64_t n, int gated, uint16_t *y, int64_t y_stride, int num_threads);
 void add_rms_norm_bf16(uint16_t *x, const uint16_t *residual, const uint16_t *weight,
                        uint16_t *out, int64_t rows, int64_t dim, int64_t x_stride,
@@ -63,7 +64,7 @@ int llama_forward_bf16(const llama_model *m, uint16_t *x, int64_t T, const int64
     for (int l = 0; l < m->num_layers && rc == 0; l++) {
         add_rms_norm_bf16(x, l == 0 ? NULL : delta, m->input_norm[l], h, T, H, H, H, H, m->eps,
                           num_threads);
-        rc |= amx_linear(h, T, H, H, m->qkv[l], qkv_n, 0, qkv, qkv_n, num_threads);
+        rc |= decode_linear(h, T, H, H, m->qkv[l], qkv_n, 0, qkv, qkv_n, num_threads);
         rope_bf16(qkv, positions, m->rope_cos, m->rope_sin, T, m->num_heads + m->num_kv_heads, D,
                   qkv_n, num_threads);
         write_kv_cache(qkv + q_size, qkv + q_size + kv_size, m->k_cache[l], m->v_cache[l], slots,
@@ -74,10 +75,10 @@ int llama_forward_bf16(const llama_model *m, uint16_t *x, int64_t T, const int64
                                  m->num_kv_heads, (int)D, m->block_size, bt_stride, qkv_n, q_size,
                                  0, m->scale, 1, num_threads);
         /* The attention output projection goes to delta's buffer: it is added into x next. */
-        rc |= amx_linear(attn, T, q_size, q_size, m->o[l], H, 0, delta, H, num_threads);
+        rc |= decode_linear(attn, T, q_size, q_size, m->o[l], H, 0, delta, H, num_threads);
         add_rms_norm_bf16(x, delta, m->post_norm[l], h, T, H, H, H, H, m->eps, num_threads);
-        rc |= amx_linear(h, T, H, H, m->gate_up[l], 2 * inter, 1, act, inter, num_threads);
-        rc |= amx_linear(act, T, inter, inter, m->down[l], H, 0, delta, H, num_threads);
+        rc |= decode_linear(h, T, H, H, m->gate_up[l], 2 * inter, 1, act, inter, num_threads);
+        rc |= decode_linear(act, T, inter, inter, m->down[l], H, 0, delta, H, num_threads);
     }
     if (rc == 0)
         add_rms_norm_bf16(x, m->num_layers > 0 ? delta : NULL, m->final_norm, out, T, H, H, H, H,

@@ -1,4 +1,5 @@
-"""The oneDNN-packed linear path against ``F.linear``, and which rows take it per CPU vendor."""
+"""The oneDNN-packed linear path against ``F.linear``, which rows take it per CPU vendor, and the
+decode linear kernels (AMX, AVX512-BF16) against the float32 product."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import native
+from engine.cpuinfo import cpu_flags
 from engine.model import linear as lin
 
 
@@ -99,86 +101,136 @@ def test_bf16_rows_past_the_limit_take_the_float32_path(
     assert calls == ([rows] if upcast else [])
 
 
-needs_amx = pytest.mark.skipif(
-    not native.amx_available(), reason="needs a CPU with AMX (bf16) and the native kernels"
-)
+# Each decode linear kernel this machine runs: AMX where the process may use it, AVX512-BF16
+# wherever the CPU has it (Sapphire Rapids too, so both are tested there).
+DECODE_KINDS = [
+    pytest.param(
+        "amx",
+        marks=pytest.mark.skipif(
+            not native.amx_available(), reason="needs a CPU with AMX (bf16) and the native kernels"
+        ),
+    ),
+    pytest.param(
+        "avx512_bf16",
+        marks=pytest.mark.skipif(
+            not native.avx512_bf16_available(),
+            reason="needs a CPU with AVX512-BF16 (avx512_bf16) and the native kernels",
+        ),
+    ),
+]
 
 
-def test_bf16_weights_get_an_amx_copy_exactly_where_amx_runs() -> None:
+def test_bf16_weights_get_a_decode_copy_exactly_where_a_decode_kernel_runs() -> None:
     packed = lin.pack_weight((torch.randn(64, 32) * 0.1).bfloat16())
     assert packed is not None and packed.out_features == 64
-    assert (packed.amx is not None) == native.amx_available()
+    kind = native.decode_linear_kind()
+    assert (packed.decode is not None) == (kind is not None) and packed.kind == kind
     fp32 = lin.pack_weight(torch.randn(64, 32))
-    assert fp32 is None or fp32.amx is None
+    assert fp32 is None or (fp32.decode is None and fp32.kind is None)
 
 
-@needs_amx
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 96, 130])
-@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (200, 48), (64, 1536)])
-def test_amx_linear_is_the_float32_product_rounded_to_bf16(
-    rows: int, out_features: int, in_features: int
+def test_the_decode_kind_follows_the_cpu() -> None:
+    """AMX first; AVX512-BF16 exactly where /proc/cpuinfo reports it (AMD Zen 4)."""
+    kind = native.decode_linear_kind()
+    if native.amx_available():
+        assert kind == "amx"
+    elif native.available() and "avx512_bf16" in cpu_flags():
+        assert kind == "avx512_bf16"
+        assert lin.decode_max_rows() == lin.DECODE_MAX_ROWS["avx512_bf16"]
+    else:
+        assert kind is None and lin.decode_max_rows() == 0
+
+
+@pytest.mark.parametrize("kind", DECODE_KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 5, 11, 12, 13, 16, 17, 25, 33, 64, 95, 96, 130])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(96, 64), (200, 48), (64, 1536), (33, 31), (16, 7)]
+)
+def test_decode_linear_is_the_float32_product_rounded_to_bf16(
+    kind: str, rows: int, out_features: int, in_features: int
 ) -> None:
-    """Partial tiles on every side (rows, outputs past a pair of 16-blocks, inputs past 32) and
-    an input whose rows are a view into a wider tensor."""
-    gen = torch.Generator().manual_seed(rows * out_features)
+    """Partial blocks on every side (rows past a register block, outputs past a pair of
+    16-blocks, inputs past 32 and an odd number of them) and an input whose rows are a view into
+    a wider tensor, with a NaN just past each row's last input (it must not be read)."""
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
     weight = (torch.randn(out_features, in_features, generator=gen) * 0.1).bfloat16()
     wide = torch.randn(rows, in_features + 8, generator=gen).bfloat16()
+    wide[:, 3 + in_features] = float("nan")
     x = wide[:, 3 : 3 + in_features]
-    amx = native.amx_pack_weight(weight)
-    assert amx is not None
-    got = native.amx_linear(x, amx, out_features)
+    packed = native.decode_pack_weight(weight)
+    assert packed is not None
+    got = native.decode_linear(x, packed, out_features, kind=kind)
     assert got is not None and got.shape == (rows, out_features) and got.dtype == torch.bfloat16
     expected = F.linear(x.float(), weight.float()).bfloat16()
     torch.testing.assert_close(got, expected)
     assert (got != expected).float().mean() < 0.01  # the same rounding but for the sum order
     with pytest.raises(ValueError, match="does not match"):
-        native.amx_linear(x, amx, out_features + 32)
+        native.decode_linear(x, packed, out_features + 32, kind=kind)
 
 
 @pytest.mark.parametrize(
-    ("rows", "dtype", "with_bias", "amx"),
+    ("rows", "dtype", "with_bias", "decode"),
     [
         (1, torch.bfloat16, False, True),
-        (lin.AMX_MAX_ROWS, torch.bfloat16, False, True),
-        (lin.AMX_MAX_ROWS + 1, torch.bfloat16, False, False),
+        (lin.DECODE_MAX_ROWS["avx512_bf16"], torch.bfloat16, False, True),
+        (lin.DECODE_MAX_ROWS["avx512_bf16"] + 1, torch.bfloat16, False, False),
         (4, torch.bfloat16, True, False),
         (4, torch.float32, False, False),
     ],
     ids=["one-row", "at-the-limit", "prefill", "bias", "float32"],
 )
-def test_only_bf16_decode_rows_without_bias_take_the_amx_kernel(
-    monkeypatch: pytest.MonkeyPatch, rows: int, dtype: torch.dtype, with_bias: bool, amx: bool
+@pytest.mark.parametrize("kind", ["amx", "avx512_bf16"])
+def test_only_bf16_decode_rows_without_bias_take_the_decode_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    rows: int,
+    dtype: torch.dtype,
+    with_bias: bool,
+    decode: bool,
 ) -> None:
-    calls: list[int] = []
+    calls: list[tuple[int, str | None]] = []
 
-    def spy(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-        calls.append(x.shape[0])
+    def spy(
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_features: int,
+        gated: bool = False,
+        kind: str | None = None,
+    ) -> torch.Tensor:
+        calls.append((x.shape[0], kind))
         return torch.zeros(x.shape[0], out_features, dtype=x.dtype)
 
-    monkeypatch.setattr(native, "amx_linear", spy)
+    monkeypatch.setattr(native, "decode_linear", spy)
+    monkeypatch.setitem(lin.DECODE_MAX_ROWS, kind, lin.DECODE_MAX_ROWS["avx512_bf16"])
     weight = torch.randn(8, 16).to(dtype)
     bias = torch.randn(8).to(dtype) if with_bias else None
-    packed = lin.PackedWeight(onednn=None, amx=torch.empty(0, dtype=torch.bfloat16), out_features=8)
+    packed = lin.PackedWeight(
+        onednn=None, decode=torch.empty(0, dtype=torch.bfloat16), out_features=8, kind=kind
+    )
     x = torch.randn(rows, 16).to(dtype)
     got = lin.linear(x, weight, bias, packed)
-    assert calls == ([rows] if amx else [])
-    if not amx:
+    assert calls == ([(rows, kind)] if decode else [])
+    if not decode:
         torch.testing.assert_close(got, F.linear(x, weight, bias))
 
 
-@needs_amx
-@pytest.mark.parametrize("rows", [1, 17, 64])
-@pytest.mark.parametrize("inter", [64, 40], ids=["whole-tiles", "partial-tile"])
-def test_gated_amx_linear_is_silu_mul_of_the_rounded_product(rows: int, inter: int) -> None:
+@pytest.mark.parametrize("kind", DECODE_KINDS)
+@pytest.mark.parametrize("rows", [1, 13, 17, 64, 96])
+@pytest.mark.parametrize("inter", [64, 40, 9], ids=["whole-tiles", "partial-tile", "tiny"])
+def test_gated_decode_linear_is_silu_mul_of_the_rounded_product(
+    monkeypatch: pytest.MonkeyPatch, kind: str, rows: int, inter: int
+) -> None:
     """The SiLU epilogue rounds gate and up to bf16 first, then as ``fused.silu_mul``: the same
     values as the two steps but for the sum order."""
     from engine.model import fused
 
+    monkeypatch.setattr(native, "decode_linear_kind", lambda: kind)
     gen = torch.Generator().manual_seed(rows + inter)
     weight = (torch.randn(2 * inter, 96, generator=gen) * 0.2).bfloat16()
     x = torch.randn(rows, 96, generator=gen).bfloat16()
     packed = lin.pack_weight(weight, gated=True)
-    assert packed is not None and packed.gated and packed.amx is not None
+    assert packed is not None and packed.gated and packed.decode is not None
+    assert packed.kind == kind
     got = lin.silu_mul_linear(x, weight, None, packed)
     assert got is not None and got.shape == (rows, inter)
     expected = fused.silu_mul(F.linear(x.float(), weight.float()).bfloat16())
@@ -186,9 +238,7 @@ def test_gated_amx_linear_is_silu_mul_of_the_rounded_product(rows: int, inter: i
     assert (got != expected).float().mean() < 0.02
     # The plain product of a gated copy comes from oneDNN or F.linear, never the gated tiles.
     torch.testing.assert_close(lin.linear(x, weight, None, packed), F.linear(x, weight))
-    assert (
-        lin.silu_mul_linear(torch.randn(lin.AMX_MAX_ROWS + 1, 96).bfloat16(), weight, None, packed)
-        is None
-    )
+    too_many = torch.randn(lin.DECODE_MAX_ROWS[kind] + 1, 96).bfloat16()
+    assert lin.silu_mul_linear(too_many, weight, None, packed) is None
     with pytest.raises(ValueError, match="even number of rows"):
-        native.amx_pack_weight(weight[1:], gated=True)
+        native.decode_pack_weight(weight[1:], gated=True)

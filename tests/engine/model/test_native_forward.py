@@ -10,8 +10,9 @@ from engine.attention import native
 from engine.model_runner import ScheduledSeq
 from tests.helpers import make_tiny_llama
 
-needs_amx = pytest.mark.skipif(
-    not native.amx_available(), reason="needs a CPU with AMX (bf16) and the native kernels"
+needs_decode_kernel = pytest.mark.skipif(
+    native.decode_linear_kind() is None,
+    reason="needs a CPU with AMX or AVX512-BF16 (avx512_bf16) and the native kernels",
 )
 
 
@@ -25,13 +26,14 @@ def _next_batch(llm: LLM):
 
 @pytest.fixture(scope="module")
 def head_dim_64(tmp_path_factory: pytest.TempPathFactory):
-    """Heads of 64 (the AMX decode attention path), 3 query heads per KV head, like SmolLM2."""
+    """Heads of 64 (the AMX decode attention path where AMX runs), 3 query heads per KV head,
+    like SmolLM2."""
     return make_tiny_llama(
         tmp_path_factory.mktemp("hd64"), hidden_size=384, num_heads=6, num_kv_heads=2
     )
 
 
-@needs_amx
+@needs_decode_kernel
 @pytest.mark.parametrize("which", ["tiny", "head-dim-64"])
 def test_native_stack_matches_the_python_loop_bit_for_bit(which, tiny_llama, head_dim_64):
     """A step of decodes plus a short prompt chunk (one native attention call per layer)."""
@@ -54,7 +56,7 @@ def test_native_stack_matches_the_python_loop_bit_for_bit(which, tiny_llama, hea
     assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
 
 
-@needs_amx
+@needs_decode_kernel
 def test_steps_the_native_stack_cannot_run_fall_back(tiny_llama):
     llm = LLM(model=str(tiny_llama), dtype="bfloat16", max_num_batched_tokens=256)
     engine, model = llm.engine, llm.engine.model
@@ -67,11 +69,40 @@ def test_steps_the_native_stack_cannot_run_fall_back(tiny_llama):
     assert model.native_forward.run(batch.input_ids, batch.positions, kv, batch.meta) is None
 
 
-def test_only_amx_packed_bias_free_bf16_models_get_the_native_stack(tiny_llama, tmp_path):
+def test_only_decode_packed_bias_free_bf16_models_get_the_native_stack(tiny_llama, tmp_path):
     bf16 = LLM(model=str(tiny_llama), dtype="bfloat16").engine.model
-    assert (bf16.native_forward is not None) == native.amx_available()
+    assert (bf16.native_forward is not None) == (native.decode_linear_kind() is not None)
     qwen2 = make_tiny_llama(tmp_path / "qwen2", model_type="qwen2")  # q/k/v biases
     assert LLM(model=str(qwen2), dtype="bfloat16").engine.model.native_forward is None
     assert LLM(model=str(tiny_llama), dtype="float32").engine.model.native_forward is None
     unpacked = LLM(model=str(tiny_llama), dtype="bfloat16", prepack_weights=False)
     assert unpacked.engine.model.native_forward is None
+
+
+@needs_decode_kernel
+def test_native_stack_generates_the_python_loops_tokens(tiny_llama):
+    """Greedy generation, prefills and decodes of several lengths: token for token the Python
+    loop over the same kernels, and the first tokens of the reference ops (F.linear / oneDNN,
+    eager elementwise ops), as the fused path's own test checks."""
+    prompts = [[5, 9, 200, 7] * k for k in (1, 5, 11)] + [[3, 1, 4, 1, 5, 9, 2, 6]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(tiny_llama), dtype="bfloat16", max_num_batched_tokens=64)
+    model = llm.engine.model
+    assert model.native_forward is not None
+    calls = []
+    run = model.native_forward.run
+
+    def counting_run(*args, **kwargs):
+        out = run(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    model.native_forward.run = counting_run
+    native_out = [o.token_ids for o in llm.generate(prompts, params)]
+    assert sum(calls) >= 20  # the decode steps took the native stack
+    model.use_native_forward = False
+    loop_out = [o.token_ids for o in llm.generate(prompts, params)]
+    assert native_out == loop_out
+    model.use_fused = False
+    reference = [o.token_ids for o in llm.generate(prompts, params)]
+    assert [o[:6] for o in native_out] == [o[:6] for o in reference]
