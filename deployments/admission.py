@@ -144,7 +144,15 @@ class LeasedStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.lease.release()
+            try:
+                # A client gone mid-send leaves the body generator suspended with its readers
+                # of the engine streams (one per prompt) still waiting on them; close it first,
+                # so that they stop and the release below can close a local engine stream.
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                self.lease.release()
 
 
 async def read_to_end(stream: Any) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from deployments.choices import choice_params, merge_streams
+from deployments.engine_request import StreamItem
 from deployments.openai_format import Echo, ResponseBuilder
 from engine.sampling_params import SamplingParams
 
@@ -99,19 +100,22 @@ def test_a_single_stream_passes_straight_through_and_is_closed_when_left():
     assert asyncio.run(run()) == ([(0, "a")], True)
 
 
-def item(index: int, text: str, completion: int, finished: bool = False, **extra) -> dict:
-    return {
-        "index": index,
-        "text": text,
-        "finished": finished,
-        "finish_reason": "length" if finished else None,
-        "stop_reason": None,
-        "prompt_tokens": 5,
-        "completion_tokens": completion,
-        "cached_tokens": 4 - index,
-        "logprobs": extra.get("logprobs"),
-        "prompt_logprobs": extra.get("prompt_logprobs"),
-    }
+def item(index: int, text: str, completion: int, finished: bool = False, **extra) -> StreamItem:
+    return StreamItem(
+        replica_id="r1",
+        index=index,
+        token_ids=[],
+        text=text,
+        finished=finished,
+        done=finished,
+        finish_reason="length" if finished else None,
+        stop_reason=None,
+        prompt_tokens=5,
+        completion_tokens=completion,
+        cached_tokens=4 - index,
+        logprobs=extra.get("logprobs"),
+        prompt_logprobs=extra.get("prompt_logprobs"),
+    )
 
 
 INTERLEAVED = [
@@ -155,7 +159,7 @@ def test_several_prompts_count_each_prompt_once_and_keep_their_cached_tokens():
     # Two prompts x n=2: choices 0-1 belong to prompt 0, 2-3 to prompt 1.
     items = [item(3, "d", 1, True), item(0, "a", 1, True), item(2, "c", 2, True)]
     items.append(item(1, "b", 1, True))
-    items[0]["prompt_tokens"] = items[2]["prompt_tokens"] = 7
+    items[0].prompt_tokens = items[2].prompt_tokens = 7
     body = ResponseBuilder("completion", "id-3", "tiny", None, n=2, num_prompts=2).full(items)
     assert [c["text"] for c in body["choices"]] == ["a", "b", "c", "d"]
     assert body["usage"]["prompt_tokens"] == 5 + 7
@@ -199,7 +203,7 @@ def test_echo_only_scores_the_prompt_and_drops_the_generated_token():
         item(1, "Q", 1, True, logprobs=[(50, -0.1, [])], prompt_logprobs=[None, (24, -3.0, [])]),
         item(0, "P", 1, True, logprobs=[(51, -0.1, [])], prompt_logprobs=SCORED),
     ]
-    items[1]["finish_reason"] = "stop"  # an EOS as the one generated token: still "length"
+    items[1].finish_reason = "stop"  # an EOS as the one generated token: still "length"
     builder = ResponseBuilder(
         "completion", "id-6", "tiny", None, num_prompts=2, echo=echo, echo_only=True
     )

@@ -23,7 +23,8 @@ import httpx
 import pytest
 from ray import serve
 
-from deployments.engine_request import EngineRequest
+from deployments.engine_request import EngineError, EngineRequest, StreamItem
+from engine.sampling_params import SamplingParams
 from tests.deployments.conftest import deploy, undeploy
 from tests.deployments.support import (
     parse_metrics,
@@ -220,16 +221,16 @@ def test_engine_replica_bound_is_exact(base_url: str) -> None:
     handle = serve.get_deployment_handle("Engine", app_name="prefixserve")
     extra = 4
 
-    async def first_item(i: int) -> tuple[Any, dict[str, Any]]:
+    async def first_item(i: int) -> tuple[Any, StreamItem | EngineError]:
         req = EngineRequest(
             request_id=f"bound-{i}",
             prompt_token_ids=[7, 8, 9, 10 + i],
-            sampling={"max_tokens": LONG_TOKENS, "temperature": 0.0, "ignore_eos": True},
+            sampling=SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True),
         )
         stream = handle.options(stream=True).generate.remote(req)
         return stream, await stream.__anext__()
 
-    async def run() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    async def run() -> tuple[list[StreamItem | EngineError], list[StreamItem | EngineError]]:
         # One at a time: Serve's handle may itself refuse simultaneous calls (its queue count
         # includes calls still being routed), which is not what this test is about.
         held = [await first_item(i) for i in range(REPLICAS * REPLICA_CAPACITY)]
@@ -239,10 +240,11 @@ def test_engine_replica_bound_is_exact(base_url: str) -> None:
         return [item for _, item in held], [item for _, item in beyond]
 
     admitted, refused = asyncio.run(run())
-    assert all("error" not in i for i in admitted), admitted
+    assert all(isinstance(i, StreamItem) for i in admitted), admitted
     assert len(refused) == extra
     for i in refused:
-        assert i["error"]["status"] == 429 and i["error"]["type"] == "overloaded_error", i
+        assert isinstance(i, EngineError), i
+        assert i.status == 429 and i.type == "overloaded_error", i
     m = scrape(base_url)
     assert total(m, "prefixserve_replica_requests_rejected_total") >= extra
     peaks = per_label(m, "prefixserve_replica_requests_admitted_peak", "replica")
