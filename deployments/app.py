@@ -21,6 +21,7 @@ from deployments.ingress import Ingress
 from deployments.kv_directory import KVDirectory
 from deployments.registry import ReplicaRegistry
 from deployments.request_router import request_router_config
+from deployments.route_app import ReplicaChooser
 
 # Serve's max_ongoing_requests counts control calls (metrics, health, KV directory stats) too:
 # leave them room above the admission limits, which the replicas enforce themselves.
@@ -112,6 +113,14 @@ def engine_server_deployment(args: AppArgs) -> Any:
     )
 
 
+def _num_replicas(options: dict[str, Any] | None) -> int | None:
+    """The replica count the options fix, if any (an autoscaled deployment has none)."""
+    options = options or {}
+    if "autoscaling_config" in options:
+        return None
+    return options.get("num_replicas")
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """Validate ``args`` (unknown keys are errors) and bind the layout's deployments."""
     return build(AppArgs.model_validate(args or {}))
@@ -129,7 +138,19 @@ def build(
         server = engine_server_deployment(args)
         if engine_options:
             server = server.options(**engine_options)
-        return server.bind(plain)
+        if _num_replicas(engine_options) == 1 or args.routing_policy == "least_connections":
+            # HAProxy alone balances, by least connections.
+            return server.bind(plain)
+        server = server.options(
+            request_router_config=request_router_config(
+                args.routing_policy,
+                args.router.model_dump(),
+                args.router.stats_period_s,
+                kv_sharing=args.kv_sharing.enabled,
+            )
+        )
+        app = server.bind(plain)
+        return app._with_ingress_request_router(ReplicaChooser.bind(app, plain))
     engine = engine_deployment(args)
     if engine_options:
         engine = engine.options(**engine_options)

@@ -113,7 +113,11 @@ class AppArgs(_Strict):
     served_model_name: str | None = None
     tokenizer: str | None = None
     engine: EngineArgs = EngineArgs()
-    routing_policy: Literal["prefix_aware", "power_of_two", "round_robin"] = "prefix_aware"
+    # least_connections: no request router of ours (direct layout: HAProxy balances alone; a
+    # single replica needs nothing more).
+    routing_policy: Literal["prefix_aware", "power_of_two", "round_robin", "least_connections"] = (
+        "prefix_aware"
+    )
     router: RouterArgs = RouterArgs()
     kv_sharing: KVSharingArgs = KVSharingArgs()
     limits: LimitsArgs = LimitsArgs()
@@ -137,6 +141,10 @@ class AppArgs(_Strict):
     @model_validator(mode="after")
     def _check(self) -> AppArgs:
         self.engine_config()  # raises ValueError naming the field
+        if self.routing_policy == "least_connections" and self.layout != "direct":
+            raise ValueError(
+                "routing_policy: least_connections is HAProxy's balancing, for layout: direct"
+            )
         return self
 
     @property

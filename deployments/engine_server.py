@@ -35,8 +35,15 @@ class LocalStream:
     def cancel(self) -> None:
         """Close the generator, which aborts the engine request and frees its blocks. Called
         once nobody awaits the next item (the response ended or failed)."""
-        if self._closing is None:
-            self._closing = asyncio.get_running_loop().create_task(self._close())
+        if self._closing is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            # Collected outside the loop (the lease's last resort): the generator's own
+            # finalizer closes it.
+            return
+        self._closing = loop.create_task(self._close())
 
     async def _close(self) -> None:
         with contextlib.suppress(Exception):

@@ -39,8 +39,8 @@ RETRY_BACKOFF_S = 0.1
 
 
 class EngineStream(Protocol):
-    """One engine request's items: dicts (see ``EngineReplica._item``), the last with
-    ``done``; an error is an item with an ``error`` key. ``cancel`` aborts the request."""
+    """One engine request's items: ``StreamItem``s, the last with ``done``, or an
+    ``EngineError`` that ends it. ``cancel`` aborts the request."""
 
     def __anext__(self) -> Awaitable[StreamItem]: ...
 
@@ -173,7 +173,7 @@ class Generation:
                 await self._retry_pause(e, attempt)
                 attempt += 1
 
-    async def _open(self, lease: Lease, i: int, engine_req: EngineRequest, n: int) -> dict:
+    async def _open(self, lease: Lease, i: int, engine_req: EngineRequest, n: int) -> StreamItem:
         """Start prompt ``i``'s stream: its first item."""
         return await self._attempt(lease, i, engine_req, n, self._next_item)
 

@@ -17,6 +17,8 @@ HTTP on a 2-vCPU machine (docs/benchmarks.md):
   forwards each request to an HTTP server inside a replica of the ingress deployment, so a
   streamed chunk costs a socket write (~10 us) instead of a trip through Serve's Python proxy
   (1-2 ms of CPU each). Replica ports come from 30000-31000 on the node.
+* ``RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY``: HAProxy sends the request body to the
+  direct layout's replica chooser (``deployments.route_app``), which routes by the prompt.
 """
 
 from __future__ import annotations
@@ -25,4 +27,5 @@ SERVE_PROCESS_ENV: dict[str, str] = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_SERVE_PROXY_USE_GRPC": "1",
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
 }

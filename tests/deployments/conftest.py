@@ -25,6 +25,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# HAProxy's own listeners (Prometheus exporter, stats page) have fixed default ports; free ones
+# let the tests run beside a `make serve` on the same machine.
+os.environ.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(_free_port()))
+os.environ.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(_free_port()))
+
+
 @pytest.fixture(scope="session")
 def serve_instance() -> Iterator[str]:
     """A two-node Ray cluster on this machine (so objects can cross object stores) with Serve's
@@ -64,15 +70,18 @@ def deploy(
     engine_num_cpus: float = 0.5,
     engine_options: dict[str, Any] | None = None,
     timeout_s: float = 180.0,
+    layout: str = "direct",
 ) -> None:
-    """Deploy the application and wait until /health says every engine replica can serve."""
+    """Deploy the application and wait until /health says every engine replica can serve.
+    ``layout``, unless ``args`` names one: the shipped config's (``direct``: engine replicas
+    serve HTTP behind HAProxy; with several, HAProxy asks the replica chooser) or ``routed``."""
     from ray import serve
 
     from deployments.app import build
     from deployments.config import AppArgs
 
     app = build(
-        AppArgs.model_validate(args),
+        AppArgs.model_validate({"layout": layout, **args}),
         engine_options={
             # An autoscaling_config in engine_options replaces the fixed replica count.
             **(

@@ -46,6 +46,10 @@ def base_url(serve_instance: str, tiny_llama_with_tokenizer: Path) -> Iterator[s
             "kv_sharing": {"min_blocks": 4},
             "stream_interval_ms": 5,
         },
+        # Failover of a stream already under way: the ingress retries on another replica or
+        # ends the stream with an error event. Behind HAProxy alone a dead replica's streams
+        # just end.
+        layout="routed",
     )
     yield serve_instance
     undeploy()
