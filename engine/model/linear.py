@@ -18,7 +18,7 @@ On a CPU with AMX, bf16 inputs of up to ``decode_max_rows()`` rows (decode steps
 project's AMX kernel instead (``csrc/amx_linear.c``): with its own tile layout of the weight it
 streams the weights ~1.1-1.3x faster than oneDNN at 1-64 rows, where a step is bound by reading
 them. On a CPU with AVX512-BF16 but no AMX (AMD Zen 4) the same layout feeds a ``vdpbf16ps``
-kernel (``csrc/decode_linear.c``), 1.1-1.7x faster than oneDNN there from 1 to 96 rows. That
+kernel (``csrc/decode_linear.c``), 1.1-1.7x faster than oneDNN there from 1 to 128 rows. That
 layout is a third copy of the bf16 weights in memory.
 """
 
@@ -77,8 +77,9 @@ _scratch = threading.local()
 # bf16 inputs of up to this many rows take the decode linear kernel of this kind
 # (``native.decode_linear_kind()``), oneDNN beyond. AMX beat oneDNN from 1 to 64 rows, tied at
 # 128 and lost at 256 (``python -m benchmarks.floors``, Sapphire Rapids); the AVX512-BF16 kernel
-# beat oneDNN from 1 to 128 rows on Zen 4 (docs/performance.md), and prefill keeps oneDNN.
-DECODE_MAX_ROWS = {"amx": 96, "avx512_bf16": 96}
+# beat oneDNN by 1.7x at 1 row, 1.2x at 64, 1.1x at 128 and 1.06x at 192, tied at 256 (Zen 4,
+# docs/performance.md), and prefill keeps oneDNN.
+DECODE_MAX_ROWS = {"amx": 96, "avx512_bf16": 128}
 
 
 def decode_max_rows() -> int:

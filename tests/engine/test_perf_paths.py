@@ -398,6 +398,9 @@ def test_portable_kernels_match_reference(monkeypatch, tmp_path, march):
     try:
         assert native.available()
         assert list(tmp_path.rglob("*.so"))  # built afresh with the portable flags
+        lib = native.load()
+        # Neither decode linear kernel is built without AVX512-BF16: callers take oneDNN.
+        assert not lib.bf16_linear_available() and not lib.amx_linear_available()
         for dtype in (torch.float32, torch.bfloat16):
             for kv_start_blocks in (0, 1):
                 test_native_attention_matches_reference(dtype, 9, 3, 64, 16, kv_start_blocks)
