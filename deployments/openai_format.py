@@ -153,9 +153,12 @@ class ResponseBuilder:
         return body
 
     def has_content(self, item: StreamItem) -> bool:
-        """Whether the item makes a chunk: new text or logprobs, a finish, or an echo due."""
+        """Whether the item makes a chunk: new tokens (even with no text yet: a special token, or
+        bytes of a character still incomplete; as vLLM does, so a client times the first token
+        when it is made), text or logprobs, a finish, or an echo due."""
         return bool(
-            item.text
+            item.token_ids
+            or item.text
             or item.finished
             or item.logprobs
             or (self.echo is not None and not self.echoed[item.index])

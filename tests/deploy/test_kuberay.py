@@ -43,9 +43,19 @@ VARIANTS = ["cpu", "gpu"]
 # worker readiness probe expects a proxy on each worker).
 TOP_LEVEL_DIFFERENCES = {"http_options.host", "proxy_location"}
 # Application args: the GPU engine runs on CUDA with a wider batch and a larger KV cache.
+# The laptop serves one machine with one replica in the direct layout; the manifests route over
+# many replicas and Pods and share KV between them (README, "How it fits together").
+LAYOUT_DIFFERENCES = {
+    "layout",
+    "routing_policy",
+    "kv_sharing.enabled",
+    "stream_interval_ms",
+    "stream_items_per_s",
+}
 ARGS_DIFFERENCES: dict[str, set[str]] = {
-    "cpu": set(),
-    "gpu": {
+    "cpu": LAYOUT_DIFFERENCES,
+    "gpu": LAYOUT_DIFFERENCES
+    | {
         "engine.device",
         # bfloat16 pinned on the GPU; the laptop config's "auto" depends on the CPU.
         "engine.dtype",
@@ -67,10 +77,10 @@ _AUTOSCALING = {
     )
 }
 DEPLOYMENT_DIFFERENCES: dict[str, dict[str, set[str]]] = {
-    "cpu": {"Ingress": set(), "Engine": _AUTOSCALING | {"ray_actor_options.num_cpus"}},
+    "cpu": {"Engine": _AUTOSCALING | {"num_replicas", "ray_actor_options.num_cpus"}},
     "gpu": {
-        "Ingress": set(),
-        "Engine": _AUTOSCALING | {"ray_actor_options.num_cpus", "ray_actor_options.num_gpus"},
+        "Engine": _AUTOSCALING
+        | {"num_replicas", "ray_actor_options.num_cpus", "ray_actor_options.num_gpus"},
     },
 }
 
@@ -165,8 +175,10 @@ def test_same_application_as_laptop_config(variant: str, laptop_config: dict[str
     laptop_args = AppArgs.model_validate(laptop_app["args"]).model_dump()
     assert differing_keys(args, laptop_args) <= ARGS_DIFFERENCES[variant]
 
-    names = [d["name"] for d in app["deployments"]]
-    assert names == [d["name"] for d in laptop_app["deployments"]]
+    # The routed layout's Ingress deployment exists only in the manifests.
+    names = [d["name"] for d in laptop_app["deployments"]]
+    assert [d["name"] for d in app["deployments"]] == ["Ingress", *names]
+    assert args["layout"] == "routed" and laptop_args["layout"] == "direct"
     for name in names:
         changed = differing_keys(_deployment(config, name), _deployment(laptop_config, name))
         assert changed <= DEPLOYMENT_DIFFERENCES[variant][name], name

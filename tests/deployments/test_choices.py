@@ -214,3 +214,14 @@ def test_echo_only_scores_the_prompt_and_drops_the_generated_token():
     assert body["choices"][1]["logprobs"]["token_logprobs"] == [None, -3.0]
     assert body["usage"]["completion_tokens"] == 0
     assert body["usage"]["prompt_tokens"] == 10
+
+
+def test_a_token_with_no_text_yet_still_makes_a_chunk() -> None:
+    """A special token (skipped from the text) or half a multi-byte character is still a token:
+    its chunk goes out when it is made, so a client's time to first token is the engine's."""
+    builder = ResponseBuilder("completion", "cmpl-x", "m", None)
+    silent = StreamItem("r", 0, [7], "", False, False, None, None, 3, 1, 0)
+    assert builder.has_content(silent)
+    assert builder.chunk(silent)["choices"][0]["text"] == ""
+    nothing = StreamItem("r", 0, [], "", False, False, None, None, 3, 1, 0)
+    assert not builder.has_content(nothing)
