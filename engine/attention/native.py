@@ -40,6 +40,7 @@ SOURCES = (
     CSRC / "amx_linear.c",
     CSRC / "decode_linear.c",
     CSRC / "llama_forward.c",
+    CSRC / "f32_linear.c",
 )
 HEADERS = (CSRC / "amx.h", CSRC / "bf16.h", CSRC / "bf16x16.h", CSRC / "vec16.h")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
@@ -164,6 +165,14 @@ def load() -> ctypes.CDLL | None:
         kernel = getattr(lib, name)
         kernel.restype = i32
         kernel.argtypes = [ptr, i64, i64, i64, ptr, i64, i32, ptr, i64, i32]
+    lib.f32_linear_available.restype = i32
+    lib.f32_linear_available.argtypes = []
+    lib.f32_packed_blocks.restype = i64
+    lib.f32_packed_blocks.argtypes = [i64, i32]
+    lib.f32_pack_weight.restype = None
+    lib.f32_pack_weight.argtypes = [ptr, i64, i64, i32, ptr]
+    lib.f32_linear.restype = i32
+    lib.f32_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, i32, ptr, i64, i32]
     lib.llama_forward_bf16.restype = i32
     lib.llama_forward_bf16.argtypes = [
         ptr,
@@ -302,6 +311,71 @@ def decode_linear(
     if rows == 0:
         return y
     rc = getattr(lib, DECODE_KERNELS[kind])(
+        x.data_ptr(),
+        rows,
+        k,
+        x.stride(0),
+        packed.data_ptr(),
+        out_features,
+        int(gated),
+        y.data_ptr(),
+        y.stride(0),
+        torch.get_num_threads(),
+    )
+    return y if rc == 0 else None
+
+
+@functools.cache
+def f32_kernel_available() -> bool:
+    """Whether the float32 linear kernel (``csrc/f32_linear.c``) was built: with AVX2 + FMA or
+    AVX-512."""
+    lib = load()
+    return lib is not None and bool(lib.f32_linear_available())
+
+
+@functools.cache
+def f32_linear_preferred() -> bool:
+    """Whether float32 linears take that kernel here: built, on a CPU without AVX-512, where it
+    beat oneDNN and MKL (Zen 3). With AVX-512 oneDNN's kernels are twice as wide and this one,
+    written for AVX2's 16 registers, has not been measured against them."""
+    return f32_kernel_available() and "avx512f" not in cpu_flags()
+
+
+def f32_pack_weight(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
+    """``weight [out, in]`` (float32, CPU) in the panel layout :func:`f32_linear` streams, or
+    None where that kernel is not built. ``gated``: as for :func:`decode_pack_weight`."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or not f32_kernel_available():
+        return None
+    n, k = weight.shape
+    if gated and n % 2:
+        raise ValueError(f"f32_pack_weight: a gated weight has an even number of rows, got {n}")
+    lib = load()
+    assert lib is not None
+    w = weight.detach().contiguous()
+    out = torch.empty(lib.f32_packed_blocks(n, int(gated)) * k * 16, dtype=torch.float32)
+    lib.f32_pack_weight(w.data_ptr(), n, k, int(gated), out.data_ptr())
+    return out
+
+
+def f32_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, gated: bool = False
+) -> torch.Tensor | None:
+    """``x [rows, in] @ weight.T`` in float32 from :func:`f32_pack_weight`'s copy of ``weight
+    [out_features, in]``; with ``gated``, ``silu(gate) * up`` of it (``[rows, out_features /
+    2]``). None (the caller falls back) when ``x`` is not a float32 CPU matrix with contiguous
+    rows or the kernel is not built."""
+    lib = load()
+    if lib is None or x.dtype != torch.float32 or x.dim() != 2:
+        return None
+    if x.stride(1) != 1 or x.device.type != "cpu":
+        return None
+    rows, k = x.shape
+    if packed.numel() != lib.f32_packed_blocks(out_features, int(gated)) * k * 16:
+        raise ValueError(f"f32_linear: packed weight does not match [{out_features}, {k}]")
+    y = torch.empty(rows, out_features // 2 if gated else out_features, dtype=torch.float32)
+    if rows == 0:
+        return y
+    rc = lib.f32_linear(
         x.data_ptr(),
         rows,
         k,

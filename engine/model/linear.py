@@ -20,6 +20,11 @@ streams the weights ~1.1-1.3x faster than oneDNN at 1-64 rows, where a step is b
 them. On a CPU with AVX512-BF16 but no AMX (AMD Zen 4) the same layout feeds a ``vdpbf16ps``
 kernel (``csrc/decode_linear.c``), 1.1-1.7x faster than oneDNN there from 1 to 128 rows. That
 layout is a third copy of the bf16 weights in memory.
+
+On a CPU whose widest float32 arithmetic is AVX2 + FMA (no AVX-512: AMD Zen 2/3), float32 inputs
+of any number of rows take this project's kernel (``csrc/f32_linear.c``) over its own panel copy
+of the weight, which replaces oneDNN's: it beat oneDNN's packed kernel from 1 to 2,048 rows and
+MKL's sgemm from 1,024 rows up there (docs/performance.md). Biased layers keep ``F.linear``.
 """
 
 from __future__ import annotations
@@ -103,6 +108,9 @@ class PackedWeight:
     out_features: int
     gated: bool = False
     kind: str | None = None
+    # float32 only: the panels of ``csrc/f32_linear.c`` (``native.f32_pack_weight``), which every
+    # unbiased float32 input takes; None where that kernel is not used.
+    f32: torch.Tensor | None = None
 
 
 def pack_weight(weight: torch.Tensor, gated: bool = False) -> PackedWeight | None:
@@ -110,6 +118,10 @@ def pack_weight(weight: torch.Tensor, gated: bool = False) -> PackedWeight | Non
     or None when there are none. ``gated``: ``weight`` is ``[gate; up]`` (see PackedWeight)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
+    if weight.dtype == torch.float32 and native.f32_linear_preferred():
+        f32 = native.f32_pack_weight(weight, gated)
+        if f32 is not None:
+            return PackedWeight(None, None, weight.shape[0], gated, None, f32)
     decode = native.decode_pack_weight(weight, gated) if weight.dtype == torch.bfloat16 else None
     onednn = _onednn_pack(weight)
     if onednn is None and decode is None:
@@ -142,6 +154,10 @@ def linear(
     bias: torch.Tensor | None = None,
     packed: PackedWeight | None = None,
 ) -> torch.Tensor:
+    if _takes_f32_kernel(x, bias, packed) and not packed.gated:
+        y = native.f32_linear(x, packed.f32, packed.out_features)
+        if y is not None:
+            return y
     if _takes_decode_kernel(x, bias, packed) and not packed.gated:
         y = native.decode_linear(x, packed.decode, packed.out_features, kind=packed.kind)
         if y is not None:
@@ -171,6 +187,8 @@ def silu_mul_linear(
     weight packed with ``gated=True``, in one pass over the weights in the decode linear kernel:
     the product's ``[rows, 2 * inter]`` is never written. None where that path does not apply
     (the caller computes the two steps)."""
+    if _takes_f32_kernel(x, bias, packed) and packed.gated:
+        return native.f32_linear(x, packed.f32, packed.out_features, True)
     if not (_takes_decode_kernel(x, bias, packed) and packed.gated):
         return None
     return native.decode_linear(x, packed.decode, packed.out_features, True, packed.kind)
@@ -186,6 +204,14 @@ def _takes_decode_kernel(
         and bias is None
         and x.dtype == torch.bfloat16
         and x.shape[0] <= DECODE_MAX_ROWS[packed.kind]
+    )
+
+
+def _takes_f32_kernel(
+    x: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
+) -> TypeGuard[PackedWeight]:
+    return (
+        packed is not None and packed.f32 is not None and bias is None and x.dtype == torch.float32
     )
 
 
