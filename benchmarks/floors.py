@@ -6,9 +6,10 @@ imply for the default model.
 * read bandwidth: ``sum`` over a 512 MiB float32 tensor (far beyond the caches);
 * matmul rate: this model's layer shapes (qkv, o, gate_up, down) at 2048 and 64 rows, bf16
   through the same oneDNN-packed path the engine uses, fp32 through the path ``linear`` picks;
-* fp32 kernels: MKL's sgemm (``F.linear``) against oneDNN's packed kernel at 1 to 2048 rows,
-  over 8 layers' distinct weights (113 MB, beyond the caches), which decides
-  ``linear.FP32_PACKED_ROWS`` for this CPU's vendor;
+* fp32 kernels: MKL's sgemm (``F.linear``), oneDNN's packed kernel and this project's AVX2
+  kernel (``csrc/f32_linear.c``, where built) at 1 to 2048 rows, over 8 layers' distinct weights
+  (113 MB, beyond the caches), which decide ``linear.FP32_PACKED_ROWS`` for this CPU's vendor
+  and ``native.f32_linear_preferred``;
 * bf16 kernels: torch's bf16 ``F.linear`` against ``upcast_linear`` (the weight widened to float32
   a slice at a time) at 1 to 2048 rows, 8 layers, which decides ``linear.BF16_EMULATED_MAX_ROWS``
   on a CPU without native bf16 (on one with it, ``linear`` takes neither: it packs for oneDNN).
@@ -26,8 +27,15 @@ import time
 import torch
 import torch.nn.functional as F
 
+from engine.attention import native
 from engine.cpuinfo import cpu_has_bf16, cpu_vendor
-from engine.model.linear import FP32_PACKED_ROWS, linear, pack_weight, upcast_linear
+from engine.model.linear import (
+    FP32_PACKED_ROWS,
+    _onednn_pack,
+    linear,
+    pack_weight,
+    upcast_linear,
+)
 
 # SmolLM2-135M: hidden 576, 9 heads / 3 KV heads of 64, intermediate 1536, 30 layers, vocab 49152.
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -62,25 +70,33 @@ def matmul_rate(dtype: torch.dtype, rows: int, repeat: int = 5) -> float:
 
 
 def fp32_kernels(rows: int, layers: int = 8, repeat: int = 3) -> dict[str, float]:
-    """ms for ``layers`` layers' four linears at ``rows`` rows: MKL vs oneDNN packed."""
+    """ms for ``layers`` layers' four linears at ``rows`` rows: MKL, oneDNN packed, and this
+    project's AVX2 kernel (``csrc/f32_linear.c``) where it is built; whichever exist here."""
     weights = [torch.randn(n, k) * 0.02 for _ in range(layers) for n, k in LAYER_SHAPES]
-    packed = [pack_weight(w) for w in weights]
     xs = {k: torch.randn(rows, k) for _, k in LAYER_SHAPES}
-    if any(p is None or p.onednn is None for p in packed):
-        return {}
 
     def mkl() -> None:
         for w in weights:
             F.linear(xs[w.shape[1]], w)
 
-    def onednn() -> None:
-        for w, p in zip(weights, packed, strict=True):
-            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p.onednn, None, "none", [], "")
+    out = {"mkl_ms": round(best_of(mkl, repeat) * 1e3, 2)}
+    onednn = [_onednn_pack(w) for w in weights]
+    if all(p is not None for p in onednn):
 
-    return {
-        "mkl_ms": round(best_of(mkl, repeat) * 1e3, 2),
-        "onednn_ms": round(best_of(onednn, repeat) * 1e3, 2),
-    }
+        def packed() -> None:
+            for w, p in zip(weights, onednn, strict=True):
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+
+        out["onednn_ms"] = round(best_of(packed, repeat) * 1e3, 2)
+    panels = [native.f32_pack_weight(w) for w in weights]
+    if all(p is not None for p in panels):
+
+        def kernel() -> None:
+            for w, p in zip(weights, panels, strict=True):
+                native.f32_linear(xs[w.shape[1]], p, w.shape[0])
+
+        out["f32_kernel_ms"] = round(best_of(kernel, repeat) * 1e3, 2)
+    return out
 
 
 def bf16_kernels(rows: int, layers: int = 8, repeat: int = 3) -> dict[str, float]:
@@ -129,7 +145,10 @@ def main(argv: list[str] | None = None) -> dict:
             }
     out["cpu_vendor"] = cpu_vendor()
     out["fp32_packed_rows"] = f"{FP32_PACKED_ROWS.start}..{FP32_PACKED_ROWS.stop - 1}"
-    out["fp32_kernels_8_layers"] = {rows: fp32_kernels(rows) for rows in (1, 2, 4, 64, 512, 2048)}
+    out["fp32_kernel_preferred"] = native.f32_linear_preferred()
+    out["fp32_kernels_8_layers"] = {
+        rows: fp32_kernels(rows) for rows in (1, 2, 4, 8, 32, 64, 512, 2048)
+    }
     out["native_bf16"] = cpu_has_bf16()
     out["bf16_kernels_8_layers"] = {
         rows: bf16_kernels(rows) for rows in (1, 2, 4, 5, 8, 64, 512, 2048)
