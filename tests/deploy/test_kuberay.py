@@ -25,7 +25,9 @@ from deployments.ray_env import SERVE_PROCESS_ENV
 from tests.deploy import dockerfile
 from tests.deploy.kube import CustomResourceValidator, parse_quantity
 from tests.deploy.rayservice import (
+    CRD_MISSING,
     ROOT,
+    crd_available,
     crd_path,
     load_crd_validator,
     load_manifest,
@@ -91,6 +93,10 @@ HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": S
 
 @pytest.fixture(scope="module")
 def crd() -> CustomResourceValidator:
+    """The RayService CRD's validator; the tests that need it skip where there is no copy (a
+    clone with nothing beside it) and fail where $KUBERAY_CRD_PATH names a missing file."""
+    if not crd_available():
+        pytest.skip(CRD_MISSING)
     return load_crd_validator()
 
 
@@ -534,6 +540,29 @@ def test_install_step_cpu(docker: list[dockerfile.Instruction], tmp_path: Path) 
     assert f"TORCH_SPEC ?= {torch_cpu}" in makefile
 
 
+def _make_venv_commands(venv: Path, *args: str) -> list[str]:
+    """What `make venv` would run into ``venv`` (``make -n``: printed, not run)."""
+    out = subprocess.run(
+        ["make", "-n", "-B", "venv", f"VENV={venv}", *args],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return out.stdout.splitlines()
+
+
+def test_makefile_torch_index(docker: list[dockerfile.Instruction], tmp_path: Path) -> None:
+    torch_cpu = dockerfile.stage_args(docker)["TORCH_CPU_SPEC"]
+    cpu_index = dockerfile.stage_args(docker)["TORCH_CPU_INDEX_URL"]
+    # Default: plain pip, whatever index it is configured with.
+    (default,) = [c for c in _make_venv_commands(tmp_path) if torch_cpu in c]
+    assert "--index-url" not in default
+    # TORCH_INDEX_URL: torch (only) from that index, the Dockerfile's CPU index in the README.
+    commands = _make_venv_commands(tmp_path, f"TORCH_INDEX_URL={cpu_index}")
+    (torch,) = [c for c in commands if torch_cpu in c]
+    assert f'--index-url "{cpu_index}"' in torch
+    assert sum("--index-url" in c for c in commands) == 1
+    assert f"TORCH_INDEX_URL={cpu_index}" in (ROOT / "README.md").read_text()
+
+
 def test_install_step_gpu(
     docker: list[dockerfile.Instruction], tmp_path: Path, pyproject: dict[str, Any]
 ) -> None:
@@ -582,3 +611,16 @@ def test_crd_path_can_be_overridden(monkeypatch: Any, tmp_path: Path) -> None:
     assert crd_path() == tmp_path / "crd.yaml"
     monkeypatch.delenv("KUBERAY_CRD_PATH")
     assert crd_path() == ROOT.parent / "shared" / "kuberay" / "ray.io_rayservices.yaml"
+
+
+def test_missing_crd_skips_unless_a_path_is_set(monkeypatch: Any, tmp_path: Path) -> None:
+    # Nothing beside the checkout and no variable: skip, saying how to run them.
+    monkeypatch.delenv("KUBERAY_CRD_PATH", raising=False)
+    monkeypatch.setattr("tests.deploy.rayservice.ROOT", tmp_path / "clone")
+    assert not crd_available()
+    assert "KUBERAY_CRD_PATH=" in CRD_MISSING and "ray.io_rayservices.yaml" in CRD_MISSING
+    # A path that was set but names nothing is an error (CI sets it), not a skip.
+    monkeypatch.setenv("KUBERAY_CRD_PATH", str(tmp_path / "missing.yaml"))
+    assert crd_available()
+    with pytest.raises(FileNotFoundError, match="KUBERAY_CRD_PATH"):
+        load_crd_validator()
