@@ -27,7 +27,7 @@ export RAY_SERVE_PROXY_USE_GRPC ?= 1
 export RAY_SERVE_ENABLE_HA_PROXY ?= 1
 export RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY ?= 1
 
-.PHONY: venv serve test lint fmt bench clean
+.PHONY: venv serve test lint fmt bench docs-check docs-check-all clean
 
 venv: $(STAMP)
 
@@ -58,6 +58,14 @@ fmt: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.offline
+
+# The commands in README.md and docs/ on a fresh clone with nothing beside it (tests/docs_commands.py):
+# the blocks marked runnable (`make test` runs these too), or all of them, `make serve` included.
+docs-check: $(STAMP)
+	$(PY) -m tests.docs_commands
+
+docs-check-all: $(STAMP)
+	$(PY) -m tests.docs_commands --slow
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
