@@ -177,7 +177,10 @@ def make_clone(dest_parent: Path, venv: Path, *, head_only: bool = False) -> Pat
         for name in filter(None, _git("ls-files", "-z", "--deleted", cwd=ROOT).split("\0")):
             with contextlib.suppress(FileNotFoundError):
                 (clone / name).unlink()
-    (clone / ".venv").symlink_to(venv.resolve(), target_is_directory=True)
+    link = clone / ".venv"
+    if link.is_symlink() or link.is_file():
+        link.unlink()  # a checkout whose own .venv is a link copies that link over
+    link.symlink_to(venv.resolve(), target_is_directory=True)
     # The stamp depends on these two: older than it, `make` sees the venv as built.
     done = stamp.stat().st_mtime
     for name in ("Makefile", "pyproject.toml"):
