@@ -117,7 +117,7 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> Atten
             raise ValueError("attention_backend: cpu runs on the CPU device only")
         from engine.attention.cpu_backend import CpuAttentionBackend
 
-        return CpuAttentionBackend()
+        return CpuAttentionBackend(dtype)
     if name == "flash":
         if not flash_available(device):
             raise ValueError("attention_backend: flash needs a CUDA device and vllm-flash-attn")

@@ -7,7 +7,10 @@ Per sequence of a step:
   (``engine.attention.native.paged_attention``) that reads each cached row straight through the
   block table: no gathered copy, no padding, no call per sequence;
 - longer prefill chunks keep the PyTorch path (one SDPA call per sequence, over a gathered
-  context when there is one), whose GEMM-based kernel is several times faster per pair.
+  context when there is one), whose GEMM-based kernel is several times faster per pair than the
+  kernel's generic loop; except in bf16 on CPUs with AVX512-BF16 and no AMX, where the kernel's
+  bf16 tile (``csrc/attention_tile_bf16.c``) is faster than SDPA at every length, so every
+  chunk takes the native call (docs/performance.md).
 
 Shared prefix ("cascade"): when every sequence's block table starts with the same ``P`` blocks
 and all queries come after them (many requests behind one system prompt, decoding together),
@@ -47,25 +50,32 @@ def _pairs(qlen: int, keys: int) -> int:
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
         if not native.available():
             raise ValueError(
                 "attention_backend: cpu needs the native kernel, which could not be built "
                 "(no C compiler, or PREFIXSERVE_NATIVE_KERNELS=0)"
             )
+        # Prefill chunks above this many (query, key) pairs go to SDPA (None: none do).
+        self.native_max_pairs: int | None = NATIVE_MAX_PAIRS
+        if dtype == torch.bfloat16 and native.bf16_prefill_preferred():
+            self.native_max_pairs = None
+
+    def _on_native(self, pairs: int) -> bool:
+        return self.native_max_pairs is None or pairs <= self.native_max_pairs
 
     def prepare(self, meta: AttentionMetadata) -> None:
         qsl, lens = meta.query_start_loc_list, meta.seq_lens_list
         qlens = [qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)]
         prefix = self._shared_prefix_tokens(meta, qlens)
-        if prefix and any(
-            _pairs(q, n - prefix) > NATIVE_MAX_PAIRS for q, n in zip(qlens, lens, strict=True)
+        if prefix and not all(
+            self._on_native(_pairs(q, n - prefix)) for q, n in zip(qlens, lens, strict=True)
         ):
             prefix = 0  # some chunk is long: its own keys would be slow in the native kernel
         on_native = [
             i
             for i in range(meta.num_seqs)
-            if qlens[i] == 1 or _pairs(qlens[i], lens[i] - prefix) <= NATIVE_MAX_PAIRS
+            if qlens[i] == 1 or self._on_native(_pairs(qlens[i], lens[i] - prefix))
         ]
         meta.extra["sdpa_seqs"] = sorted(set(range(meta.num_seqs)) - set(on_native))
         meta.extra["shared_prefix_tokens"] = prefix

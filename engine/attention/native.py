@@ -41,8 +41,15 @@ SOURCES = (
     CSRC / "decode_linear.c",
     CSRC / "llama_forward.c",
     CSRC / "f32_linear.c",
+    CSRC / "attention_tile_bf16.c",
 )
-HEADERS = (CSRC / "amx.h", CSRC / "bf16.h", CSRC / "bf16x16.h", CSRC / "vec16.h")
+HEADERS = (
+    CSRC / "amx.h",
+    CSRC / "attention_tile_bf16.h",
+    CSRC / "bf16.h",
+    CSRC / "bf16x16.h",
+    CSRC / "vec16.h",
+)
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 # Linked without -ffast-math: with it gcc adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process when the library loads (subnormal floats in torch, numpy
@@ -159,6 +166,8 @@ def load() -> ctypes.CDLL | None:
     lib.amx_linear_available.argtypes = []
     lib.bf16_linear_available.restype = i32
     lib.bf16_linear_available.argtypes = []
+    lib.bf16_tile_available.restype = i32
+    lib.bf16_tile_available.argtypes = []
     lib.decode_pack_weight.restype = None
     lib.decode_pack_weight.argtypes = [ptr, i64, i64, i32, ptr]
     for name in ("amx_linear", "bf16_linear"):
@@ -243,6 +252,20 @@ def avx512_bf16_available() -> bool:
     and the library was built with it (``-march=native`` on such a CPU)."""
     lib = load()
     return lib is not None and "avx512_bf16" in cpu_flags() and bool(lib.bf16_linear_available())
+
+
+@functools.cache
+def bf16_prefill_preferred() -> bool:
+    """Whether bf16 prefill chunks of any length should take the native kernel rather than SDPA:
+    its AVX512-BF16 tile (``csrc/attention_tile_bf16.c``) runs here and the CPU has no AMX (there
+    SDPA's GEMMs run on AMX tiles, which this kernel was not measured against)."""
+    lib = load()
+    return (
+        lib is not None
+        and "avx512_bf16" in cpu_flags()
+        and bool(lib.bf16_tile_available())
+        and not amx_available()
+    )
 
 
 # The decode linear kernels, by the name PackedWeight.kind and decode_linear take.

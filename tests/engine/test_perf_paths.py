@@ -106,6 +106,38 @@ def test_native_attention_matches_reference(
 
 
 @needs_compiler
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size",
+    [(9, 3, 64, 16), (8, 1, 64, 32), (4, 4, 128, 16), (16, 16, 32, 48)],
+    ids=["smollm2", "group8-block32", "mha-dim128", "group1-block48"],
+)
+@pytest.mark.parametrize("kv_start_blocks", [0, 2])
+def test_native_attention_long_bf16_chunks_match_reference(
+    heads, kv_heads, head_dim, block_size, kv_start_blocks
+):
+    """Prefill chunks the size SDPA used to take (a whole 300-token prompt, 45 tokens after 472
+    cached, 17 after 17): on a CPU with AVX512-BF16 the kernel's bf16 tile (probabilities
+    rounded to bf16 for the value sums), elsewhere the generic loop; either within bf16's
+    tolerance of float32 attention, log-sum-exp included."""
+    bs = block_size
+    lens, qlens = [300, 517, 34, 1], [300, 45, 17, 1]
+    q, k_cache, v_cache, tables = _random_batch(
+        torch.bfloat16, heads, kv_heads, head_dim, bs, lens, qlens, seed=3
+    )
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"))
+    kv_start = kv_start_blocks * bs
+    scale = head_dim**-0.5
+    args = (tables, torch.tensor(lens), _starts(qlens), torch.tensor(qlens))
+    native.paged_attention(q, k_cache, v_cache, *args, out, scale, kv_start=kv_start, lse=lse)
+    expected, expected_lse = reference_attention(
+        q, k_cache, v_cache, tables, lens, qlens, scale, kv_start
+    )
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-3, rtol=1e-3)
+
+
+@needs_compiler
 def test_native_attention_on_a_subset_writes_only_its_rows():
     """A subset of a batch's sequences (with their own query offsets) leaves other rows alone."""
     lens, qlens = [6, 9, 30], [1, 4, 2]

@@ -7,6 +7,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention import native
+from engine.model.linear import decode_max_rows
 from engine.model_runner import ScheduledSeq
 from tests.helpers import make_tiny_llama
 
@@ -61,12 +62,34 @@ def test_steps_the_native_stack_cannot_run_fall_back(tiny_llama):
     llm = LLM(model=str(tiny_llama), dtype="bfloat16", max_num_batched_tokens=256)
     engine, model = llm.engine, llm.engine.model
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    # A 200-token prompt in one chunk: SDPA's share of the step, not one native call.
+    # More rows than the decode kernels take.
     engine.add_request("long", [i % 500 + 1 for i in range(200)], params)
     batch = _next_batch(llm)
-    assert batch.meta.extra["sdpa_seqs"]
+    assert batch.input_ids.shape[0] > decode_max_rows()
     kv = engine.runner.kv_caches
     assert model.native_forward.run(batch.input_ids, batch.positions, kv, batch.meta) is None
+
+
+@needs_decode_kernel
+def test_a_prefill_chunk_runs_in_the_stack_exactly_where_the_kernel_takes_it(tiny_llama):
+    """A 100-token prompt (5,050 query-key pairs, within the decode kernels' rows): SDPA's, and
+    so the Python loop's, unless the CPU's bf16 attention tile takes every chunk; then the
+    one-call stack runs it, bit for bit the Python loop over the same kernels."""
+    llm = LLM(model=str(tiny_llama), dtype="bfloat16", max_num_batched_tokens=256)
+    engine, model = llm.engine, llm.engine.model
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("mid", [i % 500 + 1 for i in range(100)], params)
+    batch = _next_batch(llm)
+    assert batch.input_ids.shape[0] <= decode_max_rows()
+    kv = engine.runner.kv_caches
+    got = model.native_forward.run(batch.input_ids, batch.positions, kv, batch.meta)
+    if not native.bf16_prefill_preferred():
+        assert batch.meta.extra["sdpa_seqs"] and got is None
+        return
+    assert batch.meta.extra["sdpa_seqs"] == [] and got is not None
+    model.use_native_forward = False
+    expected = model(batch.input_ids, batch.positions, kv, batch.meta)
+    assert torch.equal(got, expected)
 
 
 def test_only_decode_packed_bias_free_bf16_models_get_the_native_stack(tiny_llama, tmp_path):
