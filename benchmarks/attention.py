@@ -6,6 +6,8 @@ shared-prefix split each win (the thresholds in ``engine.attention.cpu_backend``
 
 Prints milliseconds per layer for:
 - prefill chunks of fresh tokens, native kernel vs one SDPA call per sequence;
+- prefill chunks after cached context (a shared prefix hit, then the prompt's own tokens), native
+  kernel vs the backend's SDPA path (a gather of the context, a bottom-right causal mask);
 - 64 decodes with a 512-token prefix shared by all, native kernel alone vs the split (one SDPA
   call over the prefix + the kernel over each sequence's own keys + the merge);
 - 64 decodes over distinct blocks (memory-bound: the K/V read rate is printed too).
@@ -79,6 +81,53 @@ def prefill(dtype: torch.dtype, repeat: int) -> None:
         pairs = qlen * (qlen + 1) // 2
         print(
             f"  {seqs:3d} x {qlen:4d} tokens ({pairs:7d} pairs each): "
+            f"native {ours:7.2f}  SDPA {sdpa:7.2f}"
+        )
+
+
+def _cached_case(
+    qlen: int, ctx: int, seqs: int, dtype: torch.dtype, repeat: int
+) -> tuple[float, float]:
+    blocks_per_seq = -(-ctx // BLOCK)
+    k_cache, v_cache = _cache(seqs * blocks_per_seq, dtype)
+    tables = torch.randperm(seqs * blocks_per_seq).view(seqs, blocks_per_seq)
+    q = torch.randn(seqs * qlen, HEADS, HEAD_DIM).to(dtype)
+    lens = torch.full((seqs,), ctx, dtype=torch.int64)
+    qlens = torch.full((seqs,), qlen, dtype=torch.int64)
+    starts = torch.arange(seqs, dtype=torch.int64) * qlen
+    qsl = [s * qlen for s in range(seqs + 1)]
+    meta = AttentionMetadata(
+        num_tokens=seqs * qlen,
+        num_decodes=0,
+        block_size=BLOCK,
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl),
+        seq_lens=lens,
+        block_tables=tables,
+        max_query_len=qlen,
+        max_seq_len=ctx,
+        query_start_loc_list=qsl,
+        seq_lens_list=lens.tolist(),
+    )
+    out = torch.empty_like(q)
+    scale = HEAD_DIM**-0.5
+
+    def per_seq_sdpa() -> None:
+        for s in range(seqs):
+            CpuAttentionBackend.prefill_one(q, q, q, k_cache, v_cache, meta, scale, out, s)
+
+    def kernel() -> None:
+        native.paged_attention(q, k_cache, v_cache, tables, lens, starts, qlens, out, scale)
+
+    return timed(kernel, repeat), timed(per_seq_sdpa, repeat)
+
+
+def cached_prefill(dtype: torch.dtype, repeat: int) -> None:
+    print("prefill chunks after cached context (ms per layer):")
+    for qlen, ctx, seqs in ((32, 544, 8), (128, 1024, 4), (512, 2048, 1)):
+        ours, sdpa = _cached_case(qlen, ctx, seqs, dtype, repeat)
+        print(
+            f"  {seqs:3d} x {qlen:4d} tokens after {ctx - qlen:4d} cached: "
             f"native {ours:7.2f}  SDPA {sdpa:7.2f}"
         )
 
@@ -158,7 +207,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(f"{args.dtype}, {args.threads} threads, {HEADS}/{KV_HEADS} heads of {HEAD_DIM}")
+    print(f"bf16 prefill chunks all take the native kernel: {native.bf16_prefill_preferred()}")
     prefill(dtype, args.repeat)
+    cached_prefill(dtype, args.repeat)
     decode(dtype, args.repeat)
 
 
