@@ -128,7 +128,7 @@ class AppArgs(_Strict):
     # Most stream items per second an engine replica sends, over all its streams together; under
     # load each stream's window widens to (streams / this) seconds. None: no cap. Every item costs
     # ~1-3 ms of CPU across the replica, the ingress and the proxy (docs/benchmarks.md);
-    # serve_config.yaml and the manifests set 25.
+    # the KubeRay manifests set 25 (serve_config.yaml's direct layout leaves it unset).
     stream_items_per_s: float | None = Field(None, gt=0)
     # How the ingress reaches engine replicas: "actor" (Ray actor calls) or "grpc" (Serve's gRPC
     # channel to the replica: about a quarter less ingress CPU per stream item, which matters at
