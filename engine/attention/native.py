@@ -24,6 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -308,6 +309,30 @@ def decode_pack_weight(weight: torch.Tensor, gated: bool = False) -> torch.Tenso
     return out
 
 
+def _run_linear(
+    fn: Callable[..., int], x: torch.Tensor, packed: torch.Tensor, out_features: int, gated: bool
+) -> torch.Tensor | None:
+    """Call a packed linear kernel (the decode kernels and the float32 one share the signature)
+    into a fresh ``[rows, out_features (/ 2 when gated)]`` of ``x``'s dtype; None if it fails."""
+    rows, k = x.shape
+    y = torch.empty(rows, out_features // 2 if gated else out_features, dtype=x.dtype)
+    if rows == 0:
+        return y
+    rc = fn(
+        x.data_ptr(),
+        rows,
+        k,
+        x.stride(0),
+        packed.data_ptr(),
+        out_features,
+        int(gated),
+        y.data_ptr(),
+        y.stride(0),
+        torch.get_num_threads(),
+    )
+    return y if rc == 0 else None
+
+
 def decode_linear(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -330,22 +355,7 @@ def decode_linear(
     rows, k = x.shape
     if packed.numel() != _decode_packed_numel(out_features, k, gated):
         raise ValueError(f"decode_linear: packed weight does not match [{out_features}, {k}]")
-    y = torch.empty(rows, out_features // 2 if gated else out_features, dtype=torch.bfloat16)
-    if rows == 0:
-        return y
-    rc = getattr(lib, DECODE_KERNELS[kind])(
-        x.data_ptr(),
-        rows,
-        k,
-        x.stride(0),
-        packed.data_ptr(),
-        out_features,
-        int(gated),
-        y.data_ptr(),
-        y.stride(0),
-        torch.get_num_threads(),
-    )
-    return y if rc == 0 else None
+    return _run_linear(getattr(lib, DECODE_KERNELS[kind]), x, packed, out_features, gated)
 
 
 @functools.cache
@@ -395,22 +405,7 @@ def f32_linear(
     rows, k = x.shape
     if packed.numel() != lib.f32_packed_blocks(out_features, int(gated)) * k * 16:
         raise ValueError(f"f32_linear: packed weight does not match [{out_features}, {k}]")
-    y = torch.empty(rows, out_features // 2 if gated else out_features, dtype=torch.float32)
-    if rows == 0:
-        return y
-    rc = lib.f32_linear(
-        x.data_ptr(),
-        rows,
-        k,
-        x.stride(0),
-        packed.data_ptr(),
-        out_features,
-        int(gated),
-        y.data_ptr(),
-        y.stride(0),
-        torch.get_num_threads(),
-    )
-    return y if rc == 0 else None
+    return _run_linear(lib.f32_linear, x, packed, out_features, gated)
 
 
 def paged_attention(
