@@ -5,6 +5,10 @@
 Admits ``--batch`` requests of ``--context`` tokens, runs their prefills, then times ``--steps``
 all-decode steps (wall clock per step: scheduling + model + sampling + bookkeeping) and prints
 torch.profiler's table of the costliest ops over those steps.
+
+``--idle-team`` first runs a parallel op on another thread that then stays alive, as a serving
+process's event loop would after building the engine there: its OpenMP team outnumbers the
+CPUs, and libgomp then stops spinning at barriers (see ``engine.async_engine``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import threading
 import time
 
 import torch
@@ -33,9 +38,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--no-fused", action="store_true", help="reference elementwise ops")
     ap.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--idle-team", action="store_true", help="leave a second OpenMP team alive")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.idle_team:
+        _start_idle_team()
     extra = parse_engine_opts(args.engine_opt)
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False, **extra)
     engine = llm.engine
@@ -72,6 +80,19 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.steps):
             engine.step()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+def _start_idle_team() -> None:
+    ready = threading.Event()
+
+    def run() -> None:
+        a = torch.randn(512, 512)
+        a @ a  # a parallel op: this thread now masters a team of its own
+        ready.set()
+        threading.Event().wait()  # alive, idle, for the rest of the process
+
+    threading.Thread(target=run, name="idle-team", daemon=True).start()
+    ready.wait()
 
 
 if __name__ == "__main__":

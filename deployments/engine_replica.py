@@ -34,7 +34,7 @@ from deployments.cpu_affinity import replica_engine_cpus, restore_priority
 from deployments.engine_request import EngineError, EngineRequest, StreamItem, error_item
 from deployments.kv_sharing import KVSharing
 from deployments.metrics import ReplicaMetrics
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine, EngineDeadError, build_on_own_thread
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta
 
@@ -80,7 +80,8 @@ class EngineReplica:
         self.args = AppArgs.model_validate(args)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.started_at = time.time()
-        self.engine = LLMEngine(self.args.engine_config(num_threads=_assigned_cpus()))
+        config = self.args.engine_config(num_threads=_assigned_cpus())
+        self.engine = build_on_own_thread(lambda: LLMEngine(config))
         self.cpus = replica_engine_cpus() if self.args.pin_engine_cpus else None
         restore_priority()
         logger.info(

@@ -27,6 +27,7 @@ import torch
 from deployments.config import KVSharingArgs
 from engine.async_engine import AsyncEngine
 from engine.kv_transfer import export_blocks, import_blocks
+from engine.llm_engine import LLMEngine
 from engine.request import Request
 
 logger = logging.getLogger("ray.serve")
@@ -46,6 +47,11 @@ def to_numpy(kv: torch.Tensor) -> np.ndarray:
 def from_numpy(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     t = torch.from_numpy(np.ascontiguousarray(arr))
     return t.view(dtype) if dtype == torch.bfloat16 else t
+
+
+def _export_numpy(engine: LLMEngine, hashes: list[int]) -> tuple[list[int], np.ndarray]:
+    found, kv = export_blocks(engine, hashes)
+    return found, to_numpy(kv)
 
 
 @dataclass
@@ -119,10 +125,10 @@ class KVSharing:
         todo = hashes[known:]
         if len(todo) < self.args.min_blocks:
             return
-        found, kv = await self.async_engine.call(lambda e: export_blocks(e, todo))
+        # Tensor work stays on the engine thread (engine.async_engine: OpenMP teams).
+        found, arr = await self.async_engine.call(lambda e: _export_numpy(e, todo))
         if len(found) < self.args.min_blocks:
             return
-        arr = to_numpy(kv)
         ref = await asyncio.to_thread(ray.put, arr)
         block_nbytes = arr.nbytes // len(found)
         added = await self.directory.publish.remote(self.replica_id, found, [ref], block_nbytes)
@@ -168,8 +174,10 @@ class KVSharing:
                     self.directory.forget_owner.remote(owner)
             return None
         by_ref = dict(zip(refs.keys(), arrays, strict=True))
-        blocks = [from_numpy(by_ref[ref[0]][index], self.dtype) for _, ref, index, _ in entries]
-        kv = torch.stack(blocks)
+        # numpy, not torch.stack: parallel tensor work belongs to the engine thread alone.
+        kv = from_numpy(
+            np.stack([by_ref[ref[0]][index] for _, ref, index, _ in entries]), self.dtype
+        )
         return ImportPlan([h for h, _, _, _ in entries], kv)
 
     def install(self, plan: ImportPlan, request: Request) -> None:

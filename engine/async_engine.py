@@ -19,6 +19,14 @@ CPU affinity: given ``cpus``, the engine thread restricts itself to those CPUs b
 step (only itself: other threads of the process keep theirs). Intra-op threads that torch starts
 from it later inherit the set.
 
+OpenMP teams: the engine thread is the only thread of a serving process that runs parallel work
+(torch ops, native kernels). Each thread that does becomes the master of an OpenMP team whose
+workers live as long as it does, and libgomp counts the threads of every team: once they
+outnumber the process's CPUs, its barriers spin about a hundred times instead of ~300,000 before
+sleeping on a futex, so each of the hundreds of barriers in a step turns into a sleep and a
+wake-up. Build the engine with ``build_on_own_thread`` (loading and packing a model is parallel
+work) and hand tensors to other threads as numpy arrays.
+
 Failure: if ``step()`` (or any command) raises, the loop stops for good. ``error`` is set and every
 registered stream and every pending ``call`` future receive ``EngineDeadError`` in the same
 critical section (under ``_lock``), and nothing registers after it, so no caller waits forever on
@@ -28,6 +36,7 @@ a dead engine. ``check_health`` then raises, which is what the serving layer rep
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -36,13 +45,22 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def build_on_own_thread(factory: Callable[[], T]) -> T:
+    """``factory()``, run on a thread that has ended when this returns, taking its OpenMP team
+    with it (see the module docstring): the caller's thread starts no team of its own."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-build") as pool:
+        return pool.submit(factory).result()
 
 
 class EngineDeadError(RuntimeError):

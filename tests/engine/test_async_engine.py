@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine, EngineDeadError, build_on_own_thread
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -273,3 +273,23 @@ def test_engine_thread_keeps_to_its_cpus_and_only_it(engine: LLMEngine) -> None:
 def test_an_empty_cpu_set_is_refused(engine: LLMEngine) -> None:
     with pytest.raises(ValueError, match="cpus"):
         AsyncEngine(engine, cpus=frozenset())
+
+
+def test_build_on_own_thread_runs_the_factory_on_a_thread_that_has_ended() -> None:
+    seen: list[threading.Thread] = []
+
+    def factory() -> str:
+        seen.append(threading.current_thread())
+        return "built"
+
+    assert build_on_own_thread(factory) == "built"
+    assert seen[0] is not threading.current_thread()
+    assert not seen[0].is_alive()  # its OpenMP team went with it
+
+
+def test_build_on_own_thread_raises_the_factory_error() -> None:
+    def factory() -> None:
+        raise ValueError("bad model")
+
+    with pytest.raises(ValueError, match="bad model"):
+        build_on_own_thread(factory)
