@@ -4,7 +4,8 @@ linear layers for decode-sized batches on AMX or AVX512-BF16 (``engine.model.lin
 
 The kernel is compiled on first use with the system C compiler (``$CC`` or ``cc``) into the cache
 directory, keyed by a hash of its source, the compiler flags and the CPU, so a process builds it
-at most once per machine (the build takes about a second and is atomic). Nothing here needs a
+at most once per machine (the build is atomic; ``kernel_cache`` says when a cached library may be
+loaded). Nothing here needs a
 Python build toolchain: no torch headers, no pybind11, no ninja. When no compiler is found, the
 build fails, or ``PREFIXSERVE_NATIVE_KERNELS=0``, :func:`load` returns None and callers use the
 pure-PyTorch path.
@@ -17,18 +18,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from engine.attention import kernel_cache
 from engine.cpuinfo import cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -70,40 +70,6 @@ def _cache_dir() -> Path:
     return cache_dir() / "kernels"
 
 
-def _build(compiler: str) -> Path:
-    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(
-        source + " ".join([compiler, *CFLAGS, *LDFLAGS]).encode() + _cpu_signature().encode()
-    ).hexdigest()[:16]
-    out = _cache_dir() / f"prefixserve_kernels-{key}.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".prefixserve_kernels-", suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        with tempfile.TemporaryDirectory(dir=out.parent) as objdir:
-            objects = [str(Path(objdir) / f"{src.stem}.o") for src in SOURCES]
-            for src, obj in zip(SOURCES, objects, strict=True):
-                subprocess.run(
-                    [compiler, *CFLAGS, "-c", str(src), "-o", obj],
-                    check=True,
-                    capture_output=True,
-                    timeout=120,
-                )
-            subprocess.run(
-                [compiler, *LDFLAGS, *objects, "-o", tmp, "-lm"],
-                check=True,
-                capture_output=True,
-                timeout=120,
-            )
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when it is disabled or cannot be built."""
@@ -116,7 +82,9 @@ def load() -> ctypes.CDLL | None:
         logger.info("no C compiler found: native attention kernel disabled")
         return None
     try:
-        path = _build(compiler)
+        path = kernel_cache.cached_library(
+            SOURCES, HEADERS, compiler, CFLAGS, LDFLAGS, _cpu_signature(), _cache_dir()
+        )
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
