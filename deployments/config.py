@@ -123,6 +123,10 @@ class AppArgs(_Strict):
     limits: LimitsArgs = LimitsArgs()
     # Bearer token required on every route but /health; also read from PREFIXSERVE_API_KEY.
     api_key: str | None = None
+    # False: responses leave out usage.prompt_tokens_details.cached_tokens and the
+    # x-engine-replica header, which tell a client whether another client's prompt is cached
+    # (tenants that must not learn that also send distinct cache_salt values).
+    report_cache_hits: bool = True
     # Tokens produced within this window after the first are sent as one stream item.
     stream_interval_ms: float = Field(20.0, ge=0)
     # Most stream items per second an engine replica sends, over all its streams together; under

@@ -208,6 +208,7 @@ class EngineReplica:
                 coalesce_s=self.coalesce_s if req.stream else NON_STREAMING_COALESCE_S,
                 # The other choices find the imported blocks in the prefix cache.
                 before_add=before_add if k == 0 else None,
+                cache_salt=req.cache_salt,
             )
             for k in range(req.n)
         ]

@@ -29,6 +29,8 @@ class EngineRequest:
     # Choices (OpenAI's n): engine requests sharing the prompt, streamed as one, items tagged
     # with their ``index``.
     n: int = 1
+    # Folded into the block hashes (engine.block_hash.salted): ``block_hashes`` already are.
+    cache_salt: str | None = None
 
 
 @dataclass

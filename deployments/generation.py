@@ -30,7 +30,7 @@ from deployments.engine_request import EngineError, EngineRequest, StreamItem
 from deployments.http_errors import HTTPError
 from deployments.openai_format import ResponseBuilder, error_body, sse
 from deployments.validation import GenerationJob
-from engine.block_hash import compute_block_hashes
+from engine.block_hash import compute_block_hashes, salted
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
@@ -66,11 +66,6 @@ class RetryableError(Exception):
         self.backoff = backoff
 
 
-def _replica_header(items: list[StreamItem]) -> dict[str, str]:
-    """Which engine replica served the request (several, comma-separated, for several prompts)."""
-    return {"x-engine-replica": ",".join(dict.fromkeys(i.replica_id for i in items))}
-
-
 class Generation:
     """Runs ``GenerationJob``s on one backend; one per HTTP-serving replica."""
 
@@ -82,6 +77,14 @@ class Generation:
         # Must equal the engine's salt (EngineConfig.hash_salt defaults to the model name).
         self.hash_salt = args.model
         self.retry_after = {"Retry-After": str(args.limits.retry_after_s)}
+
+    def _replica_header(self, items: list[StreamItem]) -> dict[str, str]:
+        """Which engine replica served the request (several, comma-separated, for several
+        prompts); none when the deployment does not report cache hits (a replica's name tells
+        which cache a prompt went to)."""
+        if not self.args.report_cache_hits:
+            return {}
+        return {"x-engine-replica": ",".join(dict.fromkeys(i.replica_id for i in items))}
 
     def overloaded(self, what: str, queue: str) -> HTTPError:
         self.admission.metrics.rejected[queue].inc()
@@ -108,11 +111,14 @@ class Generation:
                 request_id=rid if len(job.prompts) == 1 else f"{rid}-{i}",
                 prompt_token_ids=ids,
                 sampling=job.params,
-                block_hashes=compute_block_hashes(ids, self.block_size, self.hash_salt),
+                block_hashes=compute_block_hashes(
+                    ids, self.block_size, salted(self.hash_salt, job.cache_salt)
+                ),
                 priority=job.priority,
                 timeout_s=self.args.limits.request_timeout_s,
                 stream=job.stream,
                 n=job.n,
+                cache_salt=job.cache_salt,
             )
             for i, ids in enumerate(job.prompts)
         ]
@@ -133,13 +139,13 @@ class Generation:
                     self._sse(lease, firsts, job.builder, job.include_usage),
                     lease,
                     media_type="text/event-stream",
-                    headers=_replica_header(firsts),
+                    headers=self._replica_header(firsts),
                 )
             results = await gather(
                 [self._complete(lease, i, r, job.n) for i, r in enumerate(engine_reqs)]
             )
             items = [item for its in results for item in its]
-            return JSONResponse(job.builder.full(items), headers=_replica_header(items))
+            return JSONResponse(job.builder.full(items), headers=self._replica_header(items))
         finally:
             if not handed_off:
                 lease.release()

@@ -25,11 +25,15 @@ def sse(data: dict[str, Any] | str) -> bytes:
 
 
 def usage(
-    lasts: list[StreamItem | None], n: int = 1, count_completion: bool = True
+    lasts: list[StreamItem | None],
+    n: int = 1,
+    count_completion: bool = True,
+    report_cached: bool = True,
 ) -> dict[str, Any]:
     """Usage from each choice's final item, in choice order (choice ``i * n + k`` is prompt
-    ``i``'s choice ``k``): each prompt counted once (as OpenAI does), with its cached tokens;
-    the completions summed. A choice with no item yet counts nothing."""
+    ``i``'s choice ``k``): each prompt counted once (as OpenAI does), with its cached tokens
+    unless ``report_cached`` is off; the completions summed. A choice with no item yet counts
+    nothing."""
     prompt = cached = 0
     for start in range(0, len(lasts), n):
         head = next((x for x in lasts[start : start + n] if x is not None), None)
@@ -37,12 +41,14 @@ def usage(
             prompt += head.prompt_tokens
             cached += head.cached_tokens
     completion = sum(x.completion_tokens for x in lasts if x is not None) if count_completion else 0
-    return {
+    body: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if report_cached:
+        body["prompt_tokens_details"] = {"cached_tokens": cached}
+    return body
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ class ResponseBuilder:
         num_prompts: int = 1,
         echo: list[Echo] | None = None,
         echo_only: bool = False,
+        report_cached: bool = True,
     ) -> None:
         self.chat = kind == "chat"
         self.id = request_id
@@ -82,6 +89,7 @@ class ResponseBuilder:
         self.n = n
         self.echo = None if self.chat else echo
         self.echo_only = echo_only and self.echo is not None
+        self.report_cached = report_cached
         if echo is not None and len(echo) != num_prompts:
             raise ValueError("echo: one per prompt")
         self.num_choices = n * num_prompts
@@ -205,7 +213,7 @@ class ResponseBuilder:
         """After every choice's final chunk."""
         body = self._head(True)
         body["choices"] = []
-        body["usage"] = usage(self.lasts, self.n, not self.echo_only)
+        body["usage"] = usage(self.lasts, self.n, not self.echo_only, self.report_cached)
         return body
 
     # -- whole response --------------------------------------------------------------------------
@@ -216,7 +224,9 @@ class ResponseBuilder:
             by_choice[item.index].append(item)
         body = self._head(False)
         body["choices"] = [self._choice(k, its) for k, its in enumerate(by_choice)]
-        body["usage"] = usage([its[-1] for its in by_choice], self.n, not self.echo_only)
+        body["usage"] = usage(
+            [its[-1] for its in by_choice], self.n, not self.echo_only, self.report_cached
+        )
         return body
 
     def _choice(self, index: int, items: list[StreamItem]) -> dict[str, Any]:

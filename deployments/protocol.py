@@ -18,6 +18,8 @@ from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 MAX_N = 16
 # Prompts in one /v1/completions request; each is an engine request of its own, routed alone.
 MAX_PROMPTS = 64
+# Characters of a cache_salt (vLLM's field: requests with different salts share no cached KV).
+MAX_CACHE_SALT_CHARS = 256
 
 
 class ProtocolError(ValueError):
@@ -59,6 +61,7 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     def _check_unsupported(self) -> None:
         if not 1 <= self.n <= MAX_N:

@@ -36,6 +36,7 @@ class GenerationJob:
     stream: bool
     include_usage: bool
     priority: int
+    cache_salt: str | None = None
 
 
 class RequestValidator:
@@ -171,6 +172,7 @@ class RequestValidator:
             num_prompts=len(prompts),
             echo=echo,
             echo_only=req.echo_only,
+            report_cached=self.args.report_cache_hits,
         )
         return self._job(req, prompt_ids, params, builder)
 
@@ -188,7 +190,12 @@ class RequestValidator:
         self._check_lengths(prompt_ids, params.max_tokens, param)
         self._check_logit_bias(params)
         builder = ResponseBuilder(
-            "chat", f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, req.n
+            "chat",
+            f"chatcmpl-{uuid.uuid4().hex}",
+            self.model_name,
+            self.tokenizer,
+            req.n,
+            report_cached=self.args.report_cache_hits,
         )
         return self._job(req, [prompt_ids], params, builder)
 
@@ -204,4 +211,5 @@ class RequestValidator:
             stream=bool(req.stream),
             include_usage=req.include_usage,
             priority=req.priority,
+            cache_salt=req.cache_salt,
         )

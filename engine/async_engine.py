@@ -141,6 +141,7 @@ class AsyncEngine:
         priority: int = 0,
         coalesce_s: float = 0.0,
         before_add: Callable[[Any], None] | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[list[RequestDelta]]:
         """Stream the request's deltas, in batches. Raises ValueError for invalid input before
         anything is queued; leaving the iteration early (client gone, cancellation) aborts the
@@ -152,7 +153,9 @@ class AsyncEngine:
         item budget makes that longer. The final delta ends a batch at once.
         """
         self.check_health()
-        request = self.engine.make_request(request_id, prompt, params, priority=priority)
+        request = self.engine.make_request(
+            request_id, prompt, params, priority=priority, cache_salt=cache_salt
+        )
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             # Checked again under the lock: a stream registered after the loop died would never

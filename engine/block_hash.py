@@ -7,8 +7,10 @@ salted per process, so we hash canonical bytes with BLAKE2b instead:
     H(block i) = blake2b_64(H(block i-1) as 8 little-endian bytes | token ids as u32 little-endian)
     H(block 0) = blake2b_64(blake2b_64(salt) | token ids ...)
 
-The salt (normally the model name) keeps different models' blocks apart. Only *full* blocks are
-hashed: a partially filled block has no hash and can never be shared.
+The salt (normally the model name) keeps different models' blocks apart; a request's
+``cache_salt`` extends it (``salted``), so requests with different cache salts never share a block
+in any engine's cache, in routing or through KV sharing. Only *full* blocks are hashed: a
+partially filled block has no hash and can never be shared.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ def _root(salt: str) -> bytes:
         root = hashlib.blake2b(b"prefixserve/v1:" + salt.encode(), digest_size=8).digest()
         _ROOTS[salt] = root
     return root
+
+
+def salted(salt: str, cache_salt: str | None) -> str:
+    """The hash salt of a request with ``cache_salt`` (vLLM's request field of that name) on an
+    engine whose salt is ``salt``; no cache salt leaves it as it is."""
+    return salt if cache_salt is None else f"{salt}\x00cache_salt:{cache_salt}"
 
 
 def hash_block_tokens(

@@ -16,6 +16,7 @@ import torch
 
 from engine.allocator import keep_freed_memory
 from engine.attention.base import select_backend
+from engine.block_hash import salted
 from engine.config import EngineConfig
 from engine.cpuinfo import cpu_has_bf16
 from engine.detokenizer import IncrementalDetokenizer
@@ -209,10 +210,16 @@ class LLMEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Queue a request; no model work happens here."""
         request = self.make_request(
-            request_id, prompt, params, priority=priority, arrival_time=arrival_time
+            request_id,
+            prompt,
+            params,
+            priority=priority,
+            arrival_time=arrival_time,
+            cache_salt=cache_salt,
         )
         self.add_prepared_request(request)
         return request
@@ -230,8 +237,10 @@ class LLMEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
-        """Validate and build a request without touching engine state (thread-safe)."""
+        """Validate and build a request without touching engine state (thread-safe). Requests
+        with different ``cache_salt`` share no cached block (``engine.block_hash.salted``)."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else as_token_ids(prompt)
         self.validate_prompt(token_ids, params)
@@ -253,7 +262,7 @@ class LLMEngine:
             arrival_time=arrival_time,
             detokenizer=detok,
             block_size=self.config.block_size,
-            hash_salt=self.hash_salt,
+            hash_salt=salted(self.hash_salt, cache_salt),
         )
         if params.seed is not None:
             request.generator = torch.Generator().manual_seed(params.seed)

@@ -139,6 +139,23 @@ def test_shared_prefix_reports_cached_tokens(client: OpenAI) -> None:
     assert max(seen[1:]) == 64
 
 
+def test_cache_salt_shares_cached_tokens_only_within_a_salt(client: OpenAI) -> None:
+    prompt = list(range(300, 364)) + [5]  # four full blocks of 16
+
+    def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt is not None else None
+        r = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=1, temperature=0, extra_body=extra
+        )
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    # Routed by the salted hashes to the replica that holds them.
+    assert max(cached("tenant-a"), cached("tenant-a")) == 64
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0
+
+
 def test_logprobs(client: OpenAI) -> None:
     r = client.chat.completions.create(
         model="tiny", messages=QUESTION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
@@ -247,6 +264,8 @@ INVALID = [
     ("completions", {"model": "tiny", "prompt": [[5, 6], [7, 10**9]]}, 400, "prompt"),
     ("completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("completions", {"model": "tiny", "prompt": "hi", "suffix": "!"}, 400, "suffix"),
+    ("completions", {"model": "tiny", "prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
+    ("chat", {"model": "tiny", "messages": QUESTION, "cache_salt": 5}, 400, "cache_salt"),
     (
         "completions",
         {"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 21},

@@ -135,6 +135,22 @@ def test_prefix_hits_are_reported(tiny_llama):
     assert engine.stats.prompt_tokens == 61
 
 
+def test_cache_salt_keeps_requests_apart(tiny_llama):
+    """Same prompt: the same cache salt shares its cached blocks, another salt or none does not,
+    and the salted requests' tokens are the unsalted ones (the salt only names the blocks)."""
+    engine = make_engine(tiny_llama, block_size=8)
+    prompt = tokens(30, 8)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    cached, outputs = {}, {}
+    for rid, salt in [("a1", "a"), ("b1", "b"), ("none", None), ("a2", "a"), ("b2", "b")]:
+        engine.add_request(rid, prompt, params, cache_salt=salt)
+        deltas = run_to_completion(engine)
+        cached[rid] = deltas[-1].num_cached_tokens
+        outputs[rid] = [t for d in deltas for t in d.new_token_ids]
+    assert cached == {"a1": 0, "b1": 0, "none": 0, "a2": 24, "b2": 24}
+    assert len({tuple(o) for o in outputs.values()}) == 1
+
+
 # -- random operations -----------------------------------------------------------------------------
 
 PREFIXES = [[], tokens(9, 100), tokens(17, 101)]
