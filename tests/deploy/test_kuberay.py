@@ -322,6 +322,17 @@ def test_serve_listens_in_cluster(variant: str) -> None:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_every_ray_container_reads_the_api_key_from_a_secret(variant: str) -> None:
+    """Head and workers alike: Serve may place the HTTP-serving replicas on either."""
+    manifest = load_manifest(variant)
+    for group, container in ray_containers(manifest):
+        env = {e["name"]: e for e in container.get("env", [])}
+        ref = env["PREFIXSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "prefixserve-api-key", "key": "api_key", "optional": True}, group
+    assert "api_key" not in _app(serve_config(manifest))["args"]  # no key in the manifest itself
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_head_serves_no_model(variant: str) -> None:
     manifest = load_manifest(variant)
     head = manifest["spec"]["rayClusterConfig"]["headGroupSpec"]
