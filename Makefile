@@ -17,7 +17,8 @@ STAMP := $(VENV)/.installed
 CONFIG ?= serve_config.yaml
 PYTEST_ARGS ?=
 
-export RAY_AUTH_MODE ?= disabled
+# Ray's token authentication (on by default since Ray 2.60) stays on for `make serve`: the
+# cluster it starts makes its own token. The test suite turns it off (tests/conftest.py).
 export RAY_USAGE_STATS_ENABLED ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 # Read by Serve's controller and proxy where Ray starts; the same values as

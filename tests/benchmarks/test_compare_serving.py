@@ -60,8 +60,9 @@ def test_server_env_follows_makes_precedence(tmp_path: Path) -> None:
 
 def test_server_env_reads_the_repos_makefile() -> None:
     env = servers.server_env({})
-    for name in ("RAY_AUTH_MODE", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "RAY_SERVE_PROXY_USE_GRPC"):
+    for name in ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"):
         assert name in env, name
+    assert "RAY_AUTH_MODE" not in env  # make serve keeps Ray's token auth on
 
 
 def test_read_serve_config(tmp_path: Path) -> None:
