@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,19 @@ def error_body(
     code: str | int | None = None,
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# What a logprob of -inf (a token masked out: top-k, top-p, logit_bias -100) or NaN reads as in a
+# response: JSON has no infinities, and clients parse this number (vLLM sends the same).
+MIN_LOGPROB = -9999.0
+
+
+def finite_logprob(lp: float | None) -> float | None:
+    """``lp`` as a response carries it: None stays None (the first prompt token's), anything not
+    a finite number at or above MIN_LOGPROB becomes MIN_LOGPROB."""
+    if lp is None:
+        return None
+    return lp if math.isfinite(lp) and lp >= MIN_LOGPROB else MIN_LOGPROB
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
@@ -112,12 +126,12 @@ class ResponseBuilder:
                 content.append(
                     {
                         "token": tok,
-                        "logprob": logprob,
+                        "logprob": finite_logprob(logprob),
                         "bytes": list(tok.encode()),
                         "top_logprobs": [
                             {
                                 "token": self._token_str(t),
-                                "logprob": lp,
+                                "logprob": finite_logprob(lp),
                                 "bytes": list(self._token_str(t).encode()),
                             }
                             for t, lp in top
@@ -129,8 +143,8 @@ class ResponseBuilder:
         for token_id, logprob, top in raw:
             tok = self._token_str(token_id)
             tokens.append(tok)
-            token_logprobs.append(logprob)
-            tops.append({self._token_str(t): lp for t, lp in top} if top else None)
+            token_logprobs.append(finite_logprob(logprob))
+            tops.append({self._token_str(t): finite_logprob(lp) for t, lp in top} if top else None)
             offsets.append(self.text_offsets[index])
             self.text_offsets[index] += len(tok)
         return {

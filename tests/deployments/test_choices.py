@@ -225,3 +225,37 @@ def test_a_token_with_no_text_yet_still_makes_a_chunk() -> None:
     assert builder.chunk(silent)["choices"][0]["text"] == ""
     nothing = StreamItem("r", 0, [], "", False, False, None, None, 3, 1, 0)
     assert not builder.has_content(nothing)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_masked_and_nan_logprobs_read_as_finite_json(kind):
+    """-inf (a masked token) and NaN become vLLM's -9999.0, so the body is valid JSON."""
+    import json
+
+    raw = [(10, float("-inf"), [(11, float("nan")), (12, -0.5)]), (13, -1e6, [])]
+    items = [
+        StreamItem(
+            replica_id="r1",
+            index=0,
+            token_ids=[10, 13],
+            text="ab",
+            finished=True,
+            done=True,
+            finish_reason="length",
+            stop_reason=None,
+            prompt_tokens=3,
+            completion_tokens=2,
+            cached_tokens=0,
+            logprobs=raw,
+        )
+    ]
+    body = ResponseBuilder(kind, "id", "tiny", None).full(items)
+    text = json.dumps(body, allow_nan=False)  # raises on inf/nan
+    lp = body["choices"][0]["logprobs"]
+    if kind == "chat":
+        assert [c["logprob"] for c in lp["content"]] == [-9999.0, -9999.0]
+        assert [t["logprob"] for t in lp["content"][0]["top_logprobs"]] == [-9999.0, -0.5]
+    else:
+        assert lp["token_logprobs"] == [-9999.0, -9999.0]
+        assert list(lp["top_logprobs"][0].values()) == [-9999.0, -0.5]
+    assert "Infinity" not in text and "NaN" not in text
