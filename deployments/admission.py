@@ -1,7 +1,8 @@
 """Admission on the HTTP side: a request's slot in the in-flight count and its engine streams.
 
-One ``Admission`` per HTTP-serving replica counts the generation requests in flight through it
-(a stream counts until it ends) and refuses past ``limits.max_ongoing_per_ingress``. A request
+One ``Admission`` per HTTP-serving replica counts the sequences in flight through it (a request
+of ``p`` prompts with ``n`` choices is ``p * n`` sequences, each a row of an engine's batch; a
+stream counts until it ends) and refuses past ``limits.max_ongoing_per_ingress``. A request
 holds a ``Lease`` from admission until its response is complete; releasing it cancels every
 engine stream that has not delivered its final item, so the engine aborts those requests and
 frees their blocks.
@@ -45,13 +46,14 @@ class IngressMetrics:
         r, labels = self.registry, {"ingress": ingress_id}
         self.in_flight = Gauge(
             "prefixserve_ingress_requests_in_flight",
-            "Generation requests in flight through the ingress replica (streams until they end).",
+            "Sequences (prompts x n of each request) in flight through the ingress replica "
+            "(streams until they end).",
             ["ingress"],
             registry=r,
         ).labels(**labels)
         self.in_flight_peak = Gauge(
             "prefixserve_ingress_requests_in_flight_peak",
-            "Most generation requests in flight through the ingress replica at once.",
+            "Most sequences in flight through the ingress replica at once.",
             ["ingress"],
             registry=r,
         ).labels(**labels)
@@ -85,22 +87,22 @@ class IngressMetrics:
 
 
 class Admission:
-    """The in-flight count of one HTTP-serving replica and its limit. Checking and counting a
-    request happen with no await in between, so admission is atomic on the event loop."""
+    """The in-flight sequence count of one HTTP-serving replica and its limit. Checking and
+    counting a request happen with no await in between, so admission is atomic on the event
+    loop. Invariant: ``inflight`` is the sum of the unreleased leases' ``sequences``."""
 
     def __init__(self, replica_id: str, limit: int) -> None:
         self.limit = limit
         self.inflight = 0
         self.metrics = IngressMetrics(replica_id)
 
-    @property
-    def full(self) -> bool:
-        return self.inflight >= self.limit
+    def has_room(self, sequences: int) -> bool:
+        return self.inflight + sequences <= self.limit
 
-    def lease(self, num_streams: int) -> Lease:
-        """Count a request in; the lease counts it out when released."""
-        self._set(self.inflight + 1)
-        return Lease(self, num_streams)
+    def lease(self, num_streams: int, sequences: int) -> Lease:
+        """Count a request's sequences in; the lease counts them out when released."""
+        self._set(self.inflight + sequences)
+        return Lease(self, num_streams, sequences)
 
     def _set(self, n: int) -> None:
         self.inflight = n
@@ -108,8 +110,8 @@ class Admission:
 
 
 class Lease:
-    """A request's slot in the ingress's in-flight count and its engine streams (one per
-    prompt).
+    """A request's ``sequences`` (prompts x n) in the ingress's in-flight count and its engine
+    streams (one per prompt).
 
     ``release`` is idempotent and runs exactly once in effect: from the route when the response
     is complete, else from the SSE generator's ``finally`` or the streaming response's own
@@ -117,8 +119,9 @@ class Lease:
     the response object is collected. A stream that has not delivered its final item is
     cancelled, so the engine aborts the request and frees its blocks."""
 
-    def __init__(self, admission: Admission, num_streams: int = 1) -> None:
+    def __init__(self, admission: Admission, num_streams: int, sequences: int) -> None:
         self.admission = admission
+        self.sequences = sequences
         self.streams: list[Any] = [None] * num_streams
         # Stream i delivered its final item: nothing left to abort.
         self.ended = [False] * num_streams
@@ -131,7 +134,7 @@ class Lease:
         for stream, ended in zip(self.streams, self.ended, strict=True):
             if stream is not None and not ended:
                 stream.cancel()
-        self.admission._set(self.admission.inflight - 1)
+        self.admission._set(self.admission.inflight - self.sequences)
 
 
 class LeasedStreamingResponse(StreamingResponse):

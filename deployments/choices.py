@@ -8,7 +8,6 @@ prompt, so the prefix cache computes it once). Choice ``k`` of a seeded request 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
@@ -19,9 +18,11 @@ _END = object()
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s parameters: ``params`` itself, or a shallow copy with its own seed;
+    either way the stop strings and the other per-request tables are shared, not rebuilt."""
     if index == 0 or params.seed is None:
         return params
-    return dataclasses.replace(params, seed=params.seed + index)
+    return params.with_seed(params.seed + index)
 
 
 async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

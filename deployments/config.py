@@ -72,7 +72,7 @@ class LimitsArgs(_Strict):
     ``Retry-After`` header (OpenAI clients retry on it):
 
     * Serve's HTTP proxy waiting for an ingress replica: ``max_queued_at_proxy``;
-    * an ingress replica: ``max_ongoing_per_ingress`` requests in flight, streams included;
+    * an ingress replica: ``max_ongoing_per_ingress`` sequences in flight, streams included;
     * an ingress replica waiting for a free engine replica: ``max_queued_for_engine``;
     * an engine replica: ``engine.max_num_seqs`` running plus ``max_waiting_per_replica``.
     """
@@ -84,7 +84,9 @@ class LimitsArgs(_Strict):
     # transit to its engine thread) before it answers 429; 0: none beyond the batch; None: no
     # bound.
     max_waiting_per_replica: int | None = Field(256, ge=0)
-    # Requests in flight through one ingress replica before it answers 429.
+    # Sequences in flight through one ingress replica before it answers 429: a request counts
+    # prompts x n (each a row of an engine's batch), so one wide request weighs what it costs. A
+    # request wider than this alone gets a 400 naming n (or prompt), never a 429 forever.
     max_ongoing_per_ingress: int = Field(1024, gt=0)
     # Requests one ingress replica queues while every engine replica is at Serve's
     # max_ongoing_requests (the Engine deployment's max_queued_requests): only while replicas

@@ -96,11 +96,14 @@ class Generation:
             headers=self.retry_after,
         )
 
-    def check_capacity(self) -> None:
-        """Cheap early refusal, before the body is read or tokenized."""
-        if self.admission.full:
+    def check_capacity(self, sequences: int = 1) -> None:
+        """Refuse when ``sequences`` more would not fit: cheaply before the body is read (one),
+        then with the request's own count. A request larger than the limit never reaches here
+        (``RequestValidator`` answers 400)."""
+        if not self.admission.has_room(sequences):
             raise self.overloaded(
-                f"{self.admission.inflight} requests in flight (limit {self.admission.limit})",
+                f"{self.admission.inflight} sequences in flight, {sequences} more asked "
+                f"(limit {self.admission.limit})",
                 "ingress",
             )
 
@@ -124,10 +127,11 @@ class Generation:
         ]
 
     async def run(self, job: GenerationJob) -> Response:
-        self.check_capacity()  # again: the body was read since, other requests came in
+        # Again, now for every sequence: the body was read since, other requests came in.
+        self.check_capacity(job.num_sequences)
         engine_reqs = self.engine_requests(job)
         # No await between the check above and this count: admission is atomic.
-        lease = self.admission.lease(len(engine_reqs))
+        lease = self.admission.lease(len(engine_reqs), job.num_sequences)
         handed_off = False
         try:
             if job.stream:

@@ -50,7 +50,10 @@ def validation_message(e: ValidationError) -> tuple[str, str | None]:
     loc = [str(x) for x in err.get("loc", ()) if not isinstance(x, int)]
     param = loc[0] if loc else None
     where = ".".join(str(x) for x in err.get("loc", ()))
-    return (f"{where}: {err.get('msg')}" if where else str(err.get("msg"))), param
+    # Our own validators' messages are already sentences; pydantic prefixes "Value error, ".
+    error = (err.get("ctx") or {}).get("error")
+    msg = str(error) if err.get("type") == "value_error" and error is not None else err.get("msg")
+    return (f"{where}: {msg}" if where else str(msg)), param
 
 
 async def _http_error(_: Request, e: Exception) -> JSONResponse:

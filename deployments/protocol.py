@@ -8,18 +8,40 @@ OpenAI's API sends them.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
+from deployments.request_limits import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_CACHE_SALT_CHARS,
+    MAX_CONTENT_PARTS,
+    MAX_LOGIT_BIAS,
+    MAX_MESSAGE_CHARS,
+    MAX_MESSAGES,
+    MAX_N,
+    MAX_PROMPTS,
+    MAX_SEQUENCES,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
-# Choices per request (OpenAI allows 128; each choice is a sequence in the engine's batch).
-MAX_N = 16
-# Prompts in one /v1/completions request; each is an engine request of its own, routed alone.
-MAX_PROMPTS = 64
-# Characters of a cache_salt (vLLM's field: requests with different salts share no cached KV).
-MAX_CACHE_SALT_CHARS = 256
+# An integer that must fit a signed 64-bit one (it reaches native code or a sort key).
+Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
+StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_CHARS)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
 
 
 class ProtocolError(ValueError):
@@ -40,32 +62,38 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: StrictInt | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: StrictInt | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    min_tokens: StrictInt = 0
-    seed: StrictInt | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    min_tokens: Int64 = 0
+    seed: Int64 | None = None
+    # One string or a list; a string arrives here as a list of one (see _stop_as_list).
+    stop: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = 1
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    priority: StrictInt = 0
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    priority: Int64 = 0
     user: str | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, v: Any) -> Any:
+        # A union of str and list[str] would report a list's errors after the str branch's
+        # "Input should be a valid string"; one list type names the real fault.
+        return [v] if isinstance(v, str) else v
+
     def _check_unsupported(self) -> None:
-        if not 1 <= self.n <= MAX_N:
-            raise ProtocolError(f"n: must be in [1, {MAX_N}]", "n")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError(
                 "stream_options: only allowed when stream is true", "stream_options"
@@ -126,10 +154,10 @@ class CompletionRequest(_SamplingFields):
     (the first token's is null); ``echo`` with ``max_tokens: 0`` scores the prompt alone."""
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    logprobs: StrictInt | None = None
+    logprobs: Int64 | None = None
     echo: StrictBool = False
     suffix: str | None = None
-    best_of: StrictInt | None = None
+    best_of: Int64 | None = None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -137,6 +165,12 @@ class CompletionRequest(_SamplingFields):
         batch: list = list(p) if several else [p]  # type: ignore[arg-type]
         if len(batch) > MAX_PROMPTS:
             raise ProtocolError(f"prompt: at most {MAX_PROMPTS} prompts per request", "prompt")
+        if len(batch) * self.n > MAX_SEQUENCES:
+            raise ProtocolError(
+                f"n: {len(batch)} prompts x n={self.n} make {len(batch) * self.n} sequences; "
+                f"at most {MAX_SEQUENCES} per request",
+                "n",
+            )
         if any(not x for x in batch):
             raise ProtocolError("prompt: must not be empty", "prompt")
         return [x if isinstance(x, str) else list(x) for x in batch]
@@ -168,10 +202,24 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """At most ``MAX_MESSAGE_CHARS`` characters of content, in at most ``MAX_CONTENT_PARTS``
+    parts."""
+
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _bounded(self) -> ChatMessage:
+        # Checked after parsing: on a union, a field constraint's error would follow the other
+        # branch's, and the first error is the one the client is shown.
+        if isinstance(self.content, list) and len(self.content) > MAX_CONTENT_PARTS:
+            raise ValueError(f"content: at most {MAX_CONTENT_PARTS} parts per message")
+        size = len(self.content) if isinstance(self.content, str) else len(self.text())
+        if size > MAX_MESSAGE_CHARS:
+            raise ValueError(f"content: {size} characters; at most {MAX_MESSAGE_CHARS} per message")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -182,10 +230,10 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: Int64 | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Int64 | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True

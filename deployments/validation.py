@@ -3,8 +3,10 @@
 ``RequestValidator.completion`` and ``.chat`` turn a parsed JSON body into a ``GenerationJob``:
 the prompts as token ids, the sampling parameters as a ``SamplingParams`` object and the response
 builder. Every check a client can fail happens here, before any engine sees the request, and
-fails with ``HTTPError`` naming the field: the model, body shape, tokenization, the chat
-template, token ids in range, prompt length, context length and ``max_tokens``.
+fails with ``HTTPError`` naming the field: the model, body shape and the schema's bounds
+(``deployments.request_limits``), tokenization, the chat template, token ids in range, prompt
+length, context length, ``max_tokens``, and a request's sequences (prompts x n) against the
+admission limit it would never fit under.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ class GenerationJob:
     include_usage: bool
     priority: int
     cache_salt: str | None = None
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences in the engines' batches: what admission counts."""
+        return len(self.prompts) * self.n
 
 
 class RequestValidator:
@@ -116,10 +123,27 @@ class RequestValidator:
             raise HTTPError(400, f"messages: chat template failed: {e}", param="messages") from e
         return list(ids)
 
-    def _check_logit_bias(self, params: SamplingParams) -> None:
-        if any(t >= self.vocab_size for t in params.logit_bias):
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        for name, ids in (
+            ("logit_bias", params.logit_bias),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            if any(t >= self.vocab_size for t in ids):
+                raise HTTPError(
+                    400, f"{name}: token ids must be in [0, {self.vocab_size})", param=name
+                )
+
+    def _check_sequences(self, num_prompts: int, n: int) -> None:
+        """A request must fit under the admission limit on its own (``limits.
+        max_ongoing_per_ingress`` counts sequences), or it would be refused with 429 forever."""
+        limit = self.args.limits.max_ongoing_per_ingress
+        if num_prompts * n > limit:
+            param = "n" if n > 1 or num_prompts == 1 else "prompt"
             raise HTTPError(
-                400, f"logit_bias: token ids must be in [0, {self.vocab_size})", param="logit_bias"
+                400,
+                f"{param}: {num_prompts} prompt(s) x n={n} make {num_prompts * n} sequences; "
+                f"this server admits at most {limit} at once",
+                param=param,
             )
 
     def _check_lengths(self, prompt_ids: list[int], max_tokens: int, param: str) -> None:
@@ -153,10 +177,11 @@ class RequestValidator:
             params = req.to_sampling_params(default_max_tokens=min(16, self.args.limits.max_tokens))
         except ProtocolError as e:
             raise HTTPError(400, str(e), param=e.param) from e
+        self._check_sequences(len(prompts), req.n)
         prompt_ids = [self._tokenize(p) for p in prompts]
         for ids in prompt_ids:
             self._check_lengths(ids, params.max_tokens, "max_tokens")
-        self._check_logit_bias(params)
+        self._check_token_ids(params)
         echo = None
         if req.echo:
             echo = [
@@ -179,6 +204,7 @@ class RequestValidator:
     def chat(self, body: Any) -> GenerationJob:
         req = self._parse(ChatCompletionRequest, body)
         self._check_model(req.model)
+        self._check_sequences(1, req.n)
         prompt_ids = self._chat_tokens(req)
         # Chat defaults to "until the context is full", capped by the configured limit.
         default_max = max(1, min(self.args.limits.max_tokens, self.max_model_len - len(prompt_ids)))
@@ -188,7 +214,7 @@ class RequestValidator:
             raise HTTPError(400, str(e), param=e.param) from e
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         self._check_lengths(prompt_ids, params.max_tokens, param)
-        self._check_logit_bias(params)
+        self._check_token_ids(params)
         builder = ResponseBuilder(
             "chat",
             f"chatcmpl-{uuid.uuid4().hex}",

@@ -8,11 +8,18 @@
 * ``take_delta()`` returns the text not yet returned, minus a hold-back of
   ``max(len(stop)) - 1`` characters while the request runs: those could be the start of a stop
   string that the next token completes, and a client must never see a stop string.
+
+Stop strings are a ``StopStrings`` shared by every sequence of a request; each token searches only
+the text positions it can have completed a stop string at (``_searched`` marks the end of the
+text already searched), through the index, not every stop string over the text.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
+
+from engine.stop_strings import StopStrings
 
 _CONTEXT_TOKENS = 6
 
@@ -22,17 +29,19 @@ class IncrementalDetokenizer:
         self,
         tokenizer: Any | None,
         skip_special_tokens: bool = True,
-        stop: list[str] | None = None,
+        stop: StopStrings | Iterable[str] | None = None,
         include_stop_str_in_output: bool = False,
         prompt_token_ids: list[int] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.stop = list(stop or [])
+        self.stop = StopStrings.of(stop)
         self.include_stop = include_stop_str_in_output
-        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.holdback = max(self.stop.max_len, 1) - 1
         self.text = ""
         self.emitted = 0
+        # Stop strings ending at or before this position of ``text`` were searched for already.
+        self._searched = 0
         self._stream = None
         # The last prompt tokens give the first generated token its context: SentencePiece
         # tokenizers decode a leading space differently at the start of a text.
@@ -57,16 +66,14 @@ class IncrementalDetokenizer:
         piece = self._decode_next(token_id)
         if not piece:
             return None
-        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        # A stop string the new piece completes begins at most max_len - 1 characters before it.
+        start = max(0, len(self.text) - self.stop.max_len + 1)
         self.text += piece
         if not self.stop or not check_stop:
             return None
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            idx = self.text.find(s, start)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, s)
+        best = self.stop.find(self.text, start, self._searched)
         if best is None:
+            self._searched = len(self.text)
             return None
         idx, s = best
         self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]

@@ -32,14 +32,16 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     out = logits.clone()
     flat = out.view(-1)
 
-    bias = {
-        i * vocab + token: float(value)
-        for i in rows
-        for token, value in requests[i].sampling_params.logit_bias.items()
-        if token < vocab
-    }
-    if bias:
-        flat[torch.tensor(list(bias))] += torch.tensor(list(bias.values()), dtype=out.dtype)
+    biased = [i for i in rows if requests[i].sampling_params.logit_bias]
+    if biased:
+        # Each request's bias as arrays built once (a request may bias hundreds of tokens): the
+        # per-step cost is per row, not per entry.
+        arrays = [requests[i].sampling_params.logit_bias_arrays() for i in biased]
+        tokens = np.concatenate([t for t, _ in arrays])
+        index = np.concatenate([t + i * vocab for i, (t, _) in zip(biased, arrays, strict=True)])
+        values = np.concatenate([v for _, v in arrays])
+        keep = tokens < vocab
+        flat[torch.from_numpy(index[keep])] += torch.from_numpy(values[keep]).to(out.dtype)
 
     repeated = [i for i in rows if requests[i].sampling_params.repetition_penalty != 1.0]
     if repeated:

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.stop_strings import StopStrings
 
 MAX_LOGPROBS = 20
 # OpenAI's ranges.
 MAX_ABS_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
+# What torch.Generator.manual_seed takes: any integer that fits 64 bits, signed or not.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
 
 
 @dataclass
@@ -27,6 +37,10 @@ class SamplingParams:
     ``prompt_logprobs=k`` does the same for every prompt token after the first (the first has no
     context to be predicted from), from the model's raw distribution; such a request computes
     its whole prompt, since KV found in the prefix cache carries no logits.
+
+    After construction ``stop`` is a ``StopStrings`` and ``stop_token_ids`` a frozenset; they and
+    ``logit_bias`` are never changed afterwards, so copies (``with_seed``: a request's choices)
+    share them instead of copying and re-validating them.
     """
 
     max_tokens: int = 16
@@ -40,8 +54,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     seed: int | None = None
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: StopStrings | list[str] | tuple[str, ...] | str | None = None
+    stop_token_ids: Collection[int] = frozenset()
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -49,15 +63,44 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif self.stop is None:
-            self.stop = []
-        else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        try:
+            self.stop = StopStrings.of(self.stop)
+        except TypeError:
+            raise ValueError("stop: must be a string or a list of strings") from None
+        try:
+            self.stop_token_ids = frozenset(self.stop_token_ids or ())
+        except TypeError:
+            raise ValueError("stop_token_ids: must be non-negative integers") from None
         self.logit_bias = dict(self.logit_bias or {})
         self.validate()
+
+    def with_seed(self, seed: int) -> SamplingParams:
+        """A copy that differs only in ``seed``; it shares the stop strings, stop token ids and
+        logit bias (immutable) rather than copying them."""
+        if not isinstance(seed, int) or isinstance(seed, bool) or not SEED_MIN <= seed <= SEED_MAX:
+            raise ValueError(f"seed: must be an integer in [{SEED_MIN}, {SEED_MAX}], got {seed!r}")
+        clone = copy.copy(self)
+        clone.seed = seed
+        return clone
+
+    def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``logit_bias`` as token ids (int64) and values (float64), built on first use and kept:
+        the engine adds them to the request's row of logits at every step."""
+        arrays = self.__dict__.get("_logit_bias_arrays")
+        if arrays is None:
+            count = len(self.logit_bias)
+            arrays = (
+                np.fromiter(self.logit_bias.keys(), dtype=np.int64, count=count),
+                np.fromiter(self.logit_bias.values(), dtype=np.float64, count=count),
+            )
+            self.__dict__["_logit_bias_arrays"] = arrays
+        return arrays
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Derived arrays stay behind: pickles (to another process) and copies rebuild them.
+        state = dict(self.__dict__)
+        state.pop("_logit_bias_arrays", None)
+        return state
 
     def validate(self) -> None:
         def is_int(v: object) -> bool:
@@ -98,15 +141,16 @@ class SamplingParams:
                     f"logit_bias: values must be in [-{MAX_ABS_LOGIT_BIAS}, "
                     f"{MAX_ABS_LOGIT_BIAS}], got {bias!r}"
                 )
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise ValueError(
+                f"seed: must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name}: must be an integer in [0, {MAX_LOGPROBS}]")
-        assert isinstance(self.stop, list)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop: every stop string must be a non-empty string")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: must be non-negative integers")
 
@@ -125,6 +169,6 @@ class SamplingParams:
         )
 
     @property
-    def stop_strings(self) -> list[str]:
-        assert isinstance(self.stop, list)
+    def stop_strings(self) -> StopStrings:
+        assert isinstance(self.stop, StopStrings)
         return self.stop

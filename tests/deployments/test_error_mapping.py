@@ -225,9 +225,9 @@ def test_client_errors_from_the_engine_keep_their_status() -> None:
 
 def test_lease_releases_once_and_cancels_the_unfinished_streams() -> None:
     admission = Admission("test", 100)
-    lease = admission.lease(2)
-    done = admission.lease(1)
-    assert admission.inflight == 2
+    lease = admission.lease(2, 6)  # two prompts, n=3
+    done = admission.lease(1, 1)
+    assert admission.inflight == 7
     lease.streams = [FakeStream(), FakeStream()]
     lease.ended[1] = True
     lease.release()
@@ -237,7 +237,7 @@ def test_lease_releases_once_and_cancels_the_unfinished_streams() -> None:
     done.streams, done.ended = [FakeStream()], [True]
     done.release()
     assert admission.inflight == 0 and done.streams[0].cancelled == 0
-    assert admission.metrics.peak == 2
+    assert admission.metrics.peak == 7
 
 
 class FakeHandle:
@@ -275,7 +275,7 @@ def test_several_prompts_get_shifted_indexes_and_their_own_serve_request_ids() -
         "_by_reference": False,
     }
     gen = make_generation(backend=backend)
-    lease = gen.admission.lease(2)
+    lease = gen.admission.lease(2, 2)
     reqs = [EngineRequest(f"p{i}", [i + 5], SamplingParams(), n=2) for i in range(2)]
 
     async def run() -> list:
@@ -294,7 +294,7 @@ def test_one_failing_prompt_fails_the_request_and_cancels_the_others() -> None:
     slow = HangingStream()
     backend = FakeBackend(slow, FakeStream(engine_error(400, "bad", "invalid_request_error")))
     gen = make_generation(backend=backend)
-    lease = gen.admission.lease(2)
+    lease = gen.admission.lease(2, 2)
     reqs = [EngineRequest(f"p{i}", [i + 5], SamplingParams()) for i in range(2)]
 
     async def run() -> None:
@@ -319,7 +319,7 @@ def test_a_prompt_that_failed_before_any_output_is_retried_up_to_max_attempts(
     full = FakeStream(engine_error(429, "replica full", "overloaded_error", "overloaded"))
     served = FakeStream(item(0, True, "r3"))
     gen = make_generation(backend=FakeBackend(died, full, served))
-    lease = gen.admission.lease(1)
+    lease = gen.admission.lease(1, 1)
     req = EngineRequest("p", [5], SamplingParams())
     items = asyncio.run(gen._complete(lease, 0, req, 1))
     assert [(i.replica_id, i.index, i.done) for i in items] == [("r3", 0, True)]
@@ -331,7 +331,7 @@ def test_a_prompt_that_failed_before_any_output_is_retried_up_to_max_attempts(
     dead = [FakeStream(ActorDiedError()) for _ in range(MAX_ATTEMPTS)]
     gen = make_generation(backend=FakeBackend(*dead))
     with pytest.raises(HTTPError) as e:
-        asyncio.run(gen._complete(gen.admission.lease(1), 0, req, 1))
+        asyncio.run(gen._complete(gen.admission.lease(1, 1), 0, req, 1))
     assert e.value.status == 503 and e.value.headers == {"Retry-After": "3"}
     assert [s.cancelled for s in dead] == [1] * MAX_ATTEMPTS
 
@@ -478,7 +478,7 @@ def test_local_engine_failure_is_answered_at_once(
     monkeypatch.setattr(generation_module, "RETRY_BACKOFF_S", 3600.0)
     replica = LocalReplica(outcome, item(0, True))
     gen = make_generation(backend=LocalBackend(replica))
-    lease = gen.admission.lease(1)
+    lease = gen.admission.lease(1, 1)
     req = EngineRequest("p", [5], SamplingParams())
 
     async def run() -> None:
@@ -541,7 +541,7 @@ def test_client_gone_mid_stream_aborts_every_local_engine_request(spec_version: 
 
     async def run() -> None:
         response = await gen.run(job)
-        assert gen.admission.inflight == 1
+        assert gen.admission.inflight == 2  # two prompts, one sequence each
         third_chunk = asyncio.Event()
         chunks = 0
 

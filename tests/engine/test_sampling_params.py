@@ -53,11 +53,30 @@ def test_min_tokens_may_not_exceed_max_tokens():
     assert SamplingParams(max_tokens=3, min_tokens=3).min_tokens == 3
 
 
-def test_stop_is_normalised_to_a_list():
-    assert SamplingParams(stop="###").stop_strings == ["###"]
-    assert SamplingParams(stop=("a", "b")).stop_strings == ["a", "b"]
-    assert SamplingParams().stop_strings == []
-    assert SamplingParams(stop_token_ids=None).stop_token_ids == []  # type: ignore[arg-type]
+def test_stop_is_normalised_to_a_stop_set():
+    assert list(SamplingParams(stop="###").stop_strings) == ["###"]
+    assert list(SamplingParams(stop=("a", "b")).stop_strings) == ["a", "b"]
+    assert list(SamplingParams().stop_strings) == []
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == frozenset()  # type: ignore[arg-type]
+    assert SamplingParams(stop_token_ids=[3, 1, 3]).stop_token_ids == frozenset({1, 3})
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**70, -(2**63) - 1, -(2**80)])
+def test_seed_must_fit_the_generator(seed):
+    """A seed beyond what torch.Generator takes fails here, naming the field, not in native code
+    with "Overflow when unpacking long long"."""
+    with pytest.raises(ValueError, match=r"^seed: must be an integer in \["):
+        SamplingParams(seed=seed)
+    with pytest.raises(ValueError, match="^seed:"):
+        SamplingParams(seed=1).with_seed(seed)
+
+
+@pytest.mark.parametrize("seed", [-(2**63), -1, 0, 2**63 - 1, 2**64 - 1])
+def test_every_accepted_seed_seeds_a_generator(seed):
+    import torch
+
+    params = SamplingParams(seed=seed)
+    torch.Generator().manual_seed(params.seed)
 
 
 def test_greedy_and_edges():
@@ -78,3 +97,15 @@ def test_adjusts_logits_only_when_a_penalty_or_bias_is_set():
         {"logit_bias": {3: -100}},
     ):
         assert SamplingParams(**change).adjusts_logits, change
+
+
+def test_logit_bias_arrays_are_built_once_and_never_pickled():
+    import pickle
+
+    params = SamplingParams(logit_bias={7: 1.5, 3: -2})
+    tokens, values = params.logit_bias_arrays()
+    assert tokens.tolist() == [7, 3] and values.tolist() == [1.5, -2.0]
+    assert params.logit_bias_arrays()[0] is tokens
+    restored = pickle.loads(pickle.dumps(params))
+    assert restored == params and "_logit_bias_arrays" not in restored.__dict__
+    assert restored.logit_bias_arrays()[0].tolist() == [7, 3]
