@@ -121,7 +121,8 @@ class AppArgs(_Strict):
     router: RouterArgs = RouterArgs()
     kv_sharing: KVSharingArgs = KVSharingArgs()
     limits: LimitsArgs = LimitsArgs()
-    # Bearer token required on every route but /health; also read from PREFIXSERVE_API_KEY.
+    # Bearer token required on every route but /ping (the liveness probe's); also read from
+    # PREFIXSERVE_API_KEY.
     api_key: str | None = None
     # Tokens produced within this window after the first are sent as one stream item.
     stream_interval_ms: float = Field(20.0, ge=0)
