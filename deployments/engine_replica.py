@@ -2,9 +2,10 @@
 
 A replica's lifecycle: load the model, start the engine thread, then every second report health
 and metrics to the replica registry (``deployments.replica_report``). Serve polls
-``record_routing_stats`` for the request router and ``check_health``. If the engine loop dies,
-every live stream ends with an error item, health checks fail, and the replica takes itself down
-half a second later, so that callers fail over at once and Serve starts a replacement.
+``record_routing_stats`` for the request router and ``check_health``. If the engine loop dies, or
+stalls in one step for longer than ``engine_stall_timeout_s`` (the engine's watchdog), every live
+stream ends with an error item, health checks fail, and the replica takes itself down half a
+second later, so that callers fail over at once and Serve starts a replacement.
 
 Admission: a replica holds at most ``capacity`` requests (``max_num_seqs`` running plus
 ``limits.max_waiting_per_replica`` waiting), counted from the moment ``generate`` starts, so
@@ -32,6 +33,7 @@ from deployments.choices import choice_params, merge_streams
 from deployments.config import AppArgs
 from deployments.cpu_affinity import replica_engine_cpus, restore_priority
 from deployments.engine_request import EngineError, EngineRequest, StreamItem, error_item
+from deployments.fault_injection import install_stall_hook
 from deployments.kv_sharing import KVSharing
 from deployments.metrics import ReplicaMetrics
 from deployments.replica_report import ReplicaReporter, call, detached
@@ -63,6 +65,7 @@ class EngineReplica:
         self.started_at = time.time()
         config = self.args.engine_config(num_threads=_assigned_cpus())
         self.engine = build_on_own_thread(lambda: LLMEngine(config))
+        install_stall_hook(self.engine, self.replica_id)
         self.cpus = replica_engine_cpus() if self.args.pin_engine_cpus else None
         restore_priority()
         logger.info(
@@ -71,7 +74,10 @@ class EngineReplica:
             sorted(self.cpus) if self.cpus else "chosen by the kernel",
         )
         self.async_engine = AsyncEngine(
-            self.engine, items_per_s=self.args.stream_items_per_s, cpus=self.cpus
+            self.engine,
+            items_per_s=self.args.stream_items_per_s,
+            cpus=self.cpus,
+            stall_timeout_s=self.args.engine_stall_timeout_s,
         )
         self.async_engine.on_death = self._on_engine_death
         self.async_engine.start()
