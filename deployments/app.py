@@ -14,12 +14,13 @@ from ray.serve import Application
 from ray.serve.config import BackpressureConfig, DeploymentActorConfig
 
 from deployments.config import AppArgs
-from deployments.engine_replica import KV_DIRECTORY_ACTOR, REGISTRY_ACTOR, EngineReplica
+from deployments.engine_replica import KV_DIRECTORY_ACTOR, EngineReplica
 from deployments.engine_server import EngineServer
 from deployments.engine_server import app as engine_server_app
 from deployments.ingress import Ingress
 from deployments.kv_directory import KVDirectory
 from deployments.registry import ReplicaRegistry
+from deployments.replica_report import REGISTRY_ACTOR
 from deployments.request_router import request_router_config
 from deployments.route_app import ReplicaChooser
 

@@ -123,7 +123,8 @@ class AppArgs(_Strict):
     router: RouterArgs = RouterArgs()
     kv_sharing: KVSharingArgs = KVSharingArgs()
     limits: LimitsArgs = LimitsArgs()
-    # Bearer token required on every route but /health; also read from PREFIXSERVE_API_KEY.
+    # Bearer token required on every route but /ping (the liveness probe's); also read from
+    # PREFIXSERVE_API_KEY.
     api_key: str | None = None
     # False: responses leave out usage.prompt_tokens_details.cached_tokens and the
     # x-engine-replica header, which tell a client whether another client's prompt is cached
@@ -143,6 +144,13 @@ class AppArgs(_Strict):
     # Pin each engine replica's compute thread to CPUs of its own, where Ray owns the node's
     # CPUs (see deployments/cpu_affinity.py); off: the kernel places it.
     pin_engine_cpus: bool = True
+    # Seconds an engine replica's engine thread may spend on one step (or command) before its
+    # watchdog declares it stalled: health checks fail, live streams end with an error event and
+    # the replica exits so that Serve replaces it. A stalled step cannot be interrupted, only
+    # abandoned. The default leaves room for the longest legitimate step on 2 busy cores (a
+    # full max_num_batched_tokens prefill chunk of a larger model takes tens of seconds) plus
+    # first-use work in it. None: no watchdog.
+    engine_stall_timeout_s: float | None = Field(120.0, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> AppArgs:

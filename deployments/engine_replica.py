@@ -1,10 +1,11 @@
 """The engine deployment: each replica runs one AsyncEngine and streams results back.
 
 A replica's lifecycle: load the model, start the engine thread, then every second report health
-and metrics to the replica registry. Serve polls ``record_routing_stats`` for the request router
-and ``check_health``. If the engine loop dies, every live stream ends with an error item, health
-checks fail, and the replica takes itself down half a second later, so that callers fail over at
-once and Serve starts a replacement.
+and metrics to the replica registry (``deployments.replica_report``). Serve polls
+``record_routing_stats`` for the request router and ``check_health``. If the engine loop dies, or
+stalls in one step for longer than ``engine_stall_timeout_s`` (the engine's watchdog), every live
+stream ends with an error item, health checks fail, and the replica takes itself down half a
+second later, so that callers fail over at once and Serve starts a replacement.
 
 Admission: a replica holds at most ``capacity`` requests (``max_num_seqs`` running plus
 ``limits.max_waiting_per_replica`` waiting), counted from the moment ``generate`` starts, so
@@ -21,8 +22,8 @@ import contextvars
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import ray
 from prometheus_client import Counter, Gauge
@@ -32,18 +33,17 @@ from deployments.choices import choice_params, merge_streams
 from deployments.config import AppArgs
 from deployments.cpu_affinity import replica_engine_cpus, restore_priority
 from deployments.engine_request import EngineError, EngineRequest, StreamItem, error_item
+from deployments.fault_injection import install_stall_hook
 from deployments.kv_sharing import KVSharing
 from deployments.metrics import ReplicaMetrics
+from deployments.replica_report import ReplicaReporter, call, detached
 from engine.async_engine import AsyncEngine, EngineDeadError, build_on_own_thread
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta
 
 logger = logging.getLogger("ray.serve")
-T = TypeVar("T")
 
-REGISTRY_ACTOR = "registry"
 KV_DIRECTORY_ACTOR = "kv_directory"
-REPORT_PERIOD_S = 1.0
 # Coalescing window for a client that waits for the whole answer: every stream item costs CPU in
 # both processes, and nobody sees the intermediate ones (the final item is never held back).
 NON_STREAMING_COALESCE_S = 1.0
@@ -51,23 +51,6 @@ NON_STREAMING_COALESCE_S = 1.0
 # before it takes itself down (a dead replica answering at once looks idle to the router, which
 # would then send it every new request).
 ENGINE_DEATH_GRACE_S = 0.5
-
-
-def _detached(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-    """Run ``coro`` as a task outside the calling request's context.
-
-    In an async actor, Ray attributes every actor call to the request in whose context it is
-    made (a context variable), and cancelling that request (the client went away) cancels those
-    calls too. An actor call cancelled before it was sent leaves a gap in the target actor's
-    ordered queue for this process, which then holds every later call from here for 30 s: the
-    KV directory and the registry would stall. Background loops and calls to those actors
-    therefore run in a fresh context; a caller that stops waiting merely stops waiting."""
-    return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
-
-
-async def _call(remote_call: Callable[[], Any]) -> Any:
-    """Make and await an actor call (inside the coroutine, so in its task's context)."""
-    return await remote_call()
 
 
 def _assigned_cpus() -> int | None:
@@ -82,6 +65,7 @@ class EngineReplica:
         self.started_at = time.time()
         config = self.args.engine_config(num_threads=_assigned_cpus())
         self.engine = build_on_own_thread(lambda: LLMEngine(config))
+        install_stall_hook(self.engine, self.replica_id)
         self.cpus = replica_engine_cpus() if self.args.pin_engine_cpus else None
         restore_priority()
         logger.info(
@@ -90,7 +74,10 @@ class EngineReplica:
             sorted(self.cpus) if self.cpus else "chosen by the kernel",
         )
         self.async_engine = AsyncEngine(
-            self.engine, items_per_s=self.args.stream_items_per_s, cpus=self.cpus
+            self.engine,
+            items_per_s=self.args.stream_items_per_s,
+            cpus=self.cpus,
+            stall_timeout_s=self.args.engine_stall_timeout_s,
         )
         self.async_engine.on_death = self._on_engine_death
         self.async_engine.start()
@@ -120,8 +107,6 @@ class EngineReplica:
         self.admitted_peak_gauge.labels(replica=self.replica_id).set(0)
         self.rejected.labels(replica=self.replica_id)
         self.coalesce_s = self.args.stream_interval_ms / 1000.0
-        self._registry: Any = None
-        self._reporter: asyncio.Task | None = None
         self._routing_stats: dict[str, Any] = self._routing_snapshot(self.engine)
         self.kv_sharing: KVSharing | None = None
         if self.args.kv_sharing.enabled:
@@ -132,6 +117,17 @@ class EngineReplica:
                 _LazyActor(KV_DIRECTORY_ACTOR),
                 self.metrics,
             )
+        sharing = self.kv_sharing
+        self.reporter = ReplicaReporter(
+            self.replica_id,
+            self.started_at,
+            self.engine,
+            self.async_engine,
+            self.metrics,
+            heartbeat=None
+            if sharing is None
+            else lambda: sharing.directory.heartbeat.remote(self.replica_id),
+        )
 
     # -- serving ---------------------------------------------------------------------------------
     @property
@@ -190,7 +186,7 @@ class EngineReplica:
         before_add = None
         # Imported KV, like cached KV, has no logits: prompt logprobs compute the whole prompt.
         if self.kv_sharing is not None and req.block_hashes and params.prompt_logprobs is None:
-            plan = await _detached(
+            plan = await detached(
                 self.kv_sharing.plan_import(len(req.prompt_token_ids), req.block_hashes)
             )
             if plan is not None:
@@ -332,9 +328,10 @@ class EngineReplica:
         self.async_engine.check_health()
 
     def _on_engine_death(self, error: BaseException) -> None:
-        """Engine thread, after every stream got its error: take this replica down, so that
-        callers fail over at once and Serve starts a replacement. ``check_health`` fails in the
-        meantime, which Serve acts on too (more slowly)."""
+        """Engine thread (or its watchdog's, for a stall), after every stream got its error:
+        take this replica down, so that callers fail over at once and Serve starts a
+        replacement. ``check_health`` fails in the meantime, which Serve acts on too (more
+        slowly)."""
         logger.error("engine loop died (%r); replica %s exits", error, self.replica_id)
         time.sleep(ENGINE_DEATH_GRACE_S)
         try:
@@ -344,47 +341,21 @@ class EngineReplica:
             os._exit(1)
 
     def _ensure_reporter(self) -> None:
-        if self._reporter is None or self._reporter.done():
-            self._reporter = _detached(self._report_loop())
+        self.reporter.ensure_started()
         if self.kv_sharing is not None:
             # Its publishing loop is created here: not inside this request's context.
             contextvars.Context().run(self.kv_sharing.start)
 
-    async def _report_loop(self) -> None:
-        while True:
-            try:
-                await self._report_once()
-            except Exception:  # noqa: BLE001 - reporting must never take the replica down
-                logger.warning("replica report failed", exc_info=True)
-                self._registry = None
-            await asyncio.sleep(REPORT_PERIOD_S)
-
-    async def _report_once(self) -> None:
-        self.metrics.update(self.engine.stats)
-        if self._registry is None:
-            self._registry = serve.get_deployment_actor(REGISTRY_ACTOR)
-        report = {
-            "healthy": self.async_engine.is_alive,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "started_at": self.started_at,
-            "metrics": self.metrics.snapshot(),
-            "model": self.engine.model_info(),
-        }
-        await self._registry.report.remote(self.replica_id, report)
-        if self.kv_sharing is not None:
-            await self.kv_sharing.directory.heartbeat.remote(self.replica_id)
-
     async def cluster_report(self) -> dict[str, dict[str, Any]]:
         """Every live replica's latest report (read from the registry)."""
         self._ensure_reporter()
-        await _detached(self._report_once())
-        return await _detached(_call(lambda: self._registry.live.remote()))
+        return await self.reporter.cluster_report()
 
     async def kv_directory_stats(self) -> dict[str, Any]:
         if self.kv_sharing is None:
             return {}
         directory = self.kv_sharing.directory
-        return await _detached(_call(lambda: directory.stats.remote()))
+        return await detached(call(lambda: directory.stats.remote()))
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

@@ -5,61 +5,33 @@ generation on an ``EngineBackend``); ``openai_routes`` makes a FastAPI app and a
 route methods delegate to ``self.frontend``. A deployment class inherits the mixin, sets
 ``self.frontend`` in its constructor and is decorated with ``serve.ingress(app)``. Each
 deployment gets its own app: Serve rewrites an app's routes for the class it decorates.
+
+Auth: with an API key set, every route requires it (``/health`` and ``/metrics`` too: they tell
+who runs what where) except ``/ping``, the liveness route for probes.
 """
 
 import asyncio
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from ray import serve
 
 from deployments.admission import CONTENT_TYPE_LATEST, Admission
 from deployments.config import AppArgs
 from deployments.generation import EngineBackend, Generation
+from deployments.health import CachedVerdict, Reports, cluster_verdict, health_verdict
 from deployments.http_errors import HTTPError, install_error_handlers
 from deployments.metrics import render
 from deployments.validation import RequestValidator
 
 logger = logging.getLogger("ray.serve")
 
-# Serve replica states of a replica that is not serving yet (``ReplicaState`` values).
-STARTING_STATES = ("STARTING", "UPDATING", "RECOVERING")
-HEALTH_TIMEOUT_S = 5.0
 METRICS_TIMEOUT_S = 10.0
 
-Reports = Callable[[], Awaitable[dict[str, dict[str, Any]]]]
-
-
-def _enum_value(x: Any) -> str:
-    """A Serve status enum's value ("RUNNING"); ``str()`` of one is "ReplicaState.RUNNING"."""
-    return str(getattr(x, "value", x))
-
-
-def health_verdict(
-    states: dict[str, int], reports: dict[str, dict[str, Any]], deployment_status: str | None
-) -> tuple[bool, dict[str, Any]]:
-    """Whether every engine replica can serve, and the body of ``/health``: ``states`` counts
-    the Engine deployment's replicas by Serve state, ``reports`` are the replicas' own latest
-    reports. A replica still starting cannot serve yet; answering 200 then would let a client's
-    first burst land on the replicas that happen to be up, where it stays."""
-    running = states.get("RUNNING", 0)
-    healthy = [rid for rid, r in reports.items() if r.get("healthy")]
-    ok = (
-        running > 0
-        and not any(states.get(s, 0) for s in STARTING_STATES)
-        and len(healthy) >= running
-        and all(r.get("healthy") for r in reports.values())
-        and deployment_status != "UNHEALTHY"
-    )
-    return ok, {
-        "status": "ok" if ok else "unavailable",
-        "replicas": states,
-        "healthy_replicas": sorted(healthy),
-    }
+# Re-exported: the verdict's rules are part of this module's contract.
+__all__ = ["OpenAIFrontend", "health_verdict", "openai_routes"]
 
 
 class OpenAIFrontend:
@@ -74,6 +46,7 @@ class OpenAIFrontend:
         self.generation = Generation(args, backend, self.admission)
         self.reports = reports
         self.api_key = args.resolved_api_key()
+        self.health_cache = CachedVerdict(lambda: cluster_verdict(reports))
 
     def check_auth(self, request: Request) -> None:
         if not self.api_key:
@@ -127,24 +100,10 @@ class OpenAIFrontend:
         }
         return JSONResponse({"object": "list", "data": [model]})
 
-    async def health(self) -> JSONResponse:
-        try:
-            reports = await asyncio.wait_for(self.reports(), timeout=HEALTH_TIMEOUT_S)
-            status = await asyncio.to_thread(serve.status)
-        except Exception as e:  # noqa: BLE001 - any failure means "cannot serve"
-            logger.warning("health check failed: %r", e)
-            return JSONResponse(
-                {"status": "unavailable", "reason": type(e).__name__}, status_code=503
-            )
-        app_status = status.applications.get(serve.get_replica_context().app_name)
-        engine_status = app_status.deployments.get("Engine") if app_status else None
-        ok, body = health_verdict(
-            {_enum_value(k): n for k, n in engine_status.replica_states.items()}
-            if engine_status
-            else {},
-            reports,
-            _enum_value(engine_status.status) if engine_status else None,
-        )
+    async def health(self, request: Request) -> JSONResponse:
+        """200 when every engine replica can serve, else 503; from the cached verdict."""
+        self.check_auth(request)
+        ok, body = await self.health_cache.get()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(self, request: Request) -> Response:
@@ -152,9 +111,8 @@ class OpenAIFrontend:
         try:
             reports = await asyncio.wait_for(self.reports(), timeout=METRICS_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001
-            raise HTTPError(
-                503, f"metrics unavailable: {type(e).__name__}", "service_unavailable"
-            ) from e
+            logger.warning("metrics unavailable: %r", e)
+            raise HTTPError(503, "metrics unavailable", "service_unavailable") from e
         text = render(r["metrics"] for r in reports.values()) + self.admission.metrics.render()
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
@@ -181,11 +139,20 @@ def openai_routes() -> tuple[FastAPI, type]:
             return self.frontend.models(request)
 
         @app.get("/health")
-        async def health(self) -> JSONResponse:
-            return await self.frontend.health()
+        async def health(self, request: Request) -> JSONResponse:
+            return await self.frontend.health(request)
 
         @app.get("/metrics")
         async def metrics(self, request: Request) -> Response:
             return await self.frontend.metrics(request)
+
+    # Liveness for probes: open even with an API key (a kubelet's probe carries no header),
+    # and answered by this process alone, with no call to any other actor, so that a slow
+    # registry or a replica starting elsewhere never fails it; whether the application can
+    # serve is /health's job (readiness). Named /ping because vLLM serves its unauthenticated
+    # liveness check there, so probes written for a vLLM server work here unchanged.
+    @app.get("/ping")
+    async def ping() -> JSONResponse:
+        return JSONResponse({"status": "alive"})
 
     return app, OpenAIRoutes

@@ -31,6 +31,17 @@ Failure: if ``step()`` (or any command) raises, the loop stops for good. ``error
 registered stream and every pending ``call`` future receive ``EngineDeadError`` in the same
 critical section (under ``_lock``), and nothing registers after it, so no caller waits forever on
 a dead engine. ``check_health`` then raises, which is what the serving layer reports to Serve.
+``error`` is set once: the first failure is the one every caller hears about.
+
+Stalls: a step or command that never returns (a deadlock in a kernel, a wedged device) cannot be
+interrupted from Python, and would leave every stream waiting forever. With ``stall_timeout_s``
+set, the engine thread stamps ``_busy_since`` whenever it starts work and again each time it
+finishes a step or command, and clears it while it waits for work; once it has been busy on one
+unit of work for longer than the bound, ``check_health`` raises ``EngineStalledError`` and a
+watchdog thread ends the engine exactly as a failure would (``_fail_all`` from the watchdog's
+thread, then ``on_death``). That is safe because no thread holds ``_lock`` across engine work:
+the stalled thread cannot be holding it. If the stalled step ever returns, the loop sees
+``_stop`` and leaves; what it produced goes nowhere, since every stream already has its error.
 """
 
 from __future__ import annotations
@@ -67,6 +78,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped on an exception; every live stream ends with this error."""
 
 
+class EngineStalledError(EngineDeadError):
+    """The engine thread spent longer than ``stall_timeout_s`` on one step or command."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -81,34 +96,45 @@ class AsyncEngine:
         idle_wait_s: float = 0.05,
         items_per_s: float | None = None,
         cpus: frozenset[int] | None = None,
+        stall_timeout_s: float | None = None,
     ) -> None:
         if items_per_s is not None and items_per_s <= 0:
             raise ValueError(f"items_per_s must be positive, got {items_per_s}")
+        if stall_timeout_s is not None and stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be positive, got {stall_timeout_s}")
         if cpus is not None and not cpus:
             raise ValueError("cpus: must name at least one CPU, or be None")
         self.engine = engine
         self.cpus = cpus
         self.idle_wait_s = idle_wait_s
         self.items_per_s = items_per_s
+        # None: no watchdog (a step may take as long as it takes).
+        self.stall_timeout_s = stall_timeout_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
-        # Futures of ``call`` commands not yet run; failed if the loop dies first.
+        # Futures of ``call`` commands not yet finished; failed if the loop dies or stalls first.
         self._pending_calls: set[asyncio.Future] = set()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        # Set once, under ``_lock``, when the loop dies.
+        # Set once, under ``_lock``, when the loop dies or stalls.
         self.error: BaseException | None = None
-        # Called once on the engine thread, after every waiter was failed, when the loop died of
-        # an exception (not on shutdown): the owner may take the process down.
+        # Called once, after every waiter was failed, when the loop died of an exception (on the
+        # engine thread) or stalled (on the watchdog's thread), never on shutdown: the owner may
+        # take the process down.
         self.on_death: Callable[[BaseException], None] | None = None
         self.last_step_at = time.monotonic()
+        # Written only by the engine thread: when it last started or finished a unit of work
+        # (step or command); None while it waits for work. Read by the watchdog and health checks.
+        self._busy_since: float | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
             self._thread.start()
+            if self.stall_timeout_s is not None:
+                threading.Thread(target=self._watch, name="engine-watchdog", daemon=True).start()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -126,10 +152,33 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     def check_health(self) -> None:
-        if self.error is not None:
-            raise EngineDeadError(f"engine loop died: {self.error!r}") from self.error
+        """Raises ``EngineDeadError`` when the loop died or stopped, ``EngineStalledError`` as
+        soon as the current step or command has overrun ``stall_timeout_s`` (the watchdog may
+        not have woken yet)."""
+        self._raise_if_dead()
         if self._thread is None or not self._thread.is_alive():
             raise EngineDeadError("engine loop is not running")
+        stalled = self._stall()
+        if stalled is not None:
+            raise stalled
+
+    @property
+    def busy_for_s(self) -> float:
+        """Seconds since the engine thread last started or finished a step or command, while it
+        has work; 0 while it waits for work."""
+        since = self._busy_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
+    def _stall(self) -> EngineStalledError | None:
+        if self.stall_timeout_s is None:
+            return None
+        busy = self.busy_for_s
+        if busy <= self.stall_timeout_s:
+            return None
+        return EngineStalledError(
+            f"engine thread stalled: no step or command finished in {busy:.1f} s "
+            f"(limit {self.stall_timeout_s:g} s)"
+        )
 
     # -- requests --------------------------------------------------------------------------------
     async def generate(
@@ -222,14 +271,16 @@ class AsyncEngine:
         fut: asyncio.Future = loop.create_future()
 
         def run() -> None:
-            with self._lock:
-                self._pending_calls.discard(fut)
+            # Still pending while ``fn`` runs: if it stalls, the watchdog fails this future too.
             try:
                 result = fn(self.engine)
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
                 _post(loop, _set_exception, fut, e)
             else:
                 _post(loop, _set_result, fut, result)
+            finally:
+                with self._lock:
+                    self._pending_calls.discard(fut)
 
         with self._lock:
             self._raise_if_dead()
@@ -239,20 +290,22 @@ class AsyncEngine:
 
     def _raise_if_dead(self) -> None:
         if self.error is not None:
-            raise EngineDeadError(f"engine loop died: {self.error!r}") from self.error
+            raise _death_error(self.error) from self.error
 
     # -- the loop --------------------------------------------------------------------------------
     def _drain_commands(self, block: bool) -> None:
         try:
-            cmd = (
-                self._commands.get(timeout=self.idle_wait_s)
-                if block
-                else self._commands.get_nowait()
-            )
+            if block:
+                self._busy_since = None  # waiting for work is no stall
+                cmd = self._commands.get(timeout=self.idle_wait_s)
+                self._busy_since = time.monotonic()
+            else:
+                cmd = self._commands.get_nowait()
         except queue.Empty:
             return
         while True:
             cmd()
+            self._busy_since = time.monotonic()
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
@@ -276,15 +329,32 @@ class AsyncEngine:
                     self.last_step_at = time.monotonic()
                     continue
                 deltas = self.engine.step()
-                self.last_step_at = time.monotonic()
+                self.last_step_at = self._busy_since = time.monotonic()
                 if deltas:
                     self._dispatch(deltas)
             self._fail_all(RuntimeError("engine shut down"))
         except BaseException as e:  # noqa: BLE001 - the loop must report, not vanish
             logger.exception("engine loop died")
-            self._fail_all(e)
-            if self.on_death is not None:
+            # Not when the watchdog ended the engine first: that was the death, and reported.
+            if self._fail_all(e) and self.on_death is not None:
                 self.on_death(e)
+
+    def _watch(self) -> None:
+        """The watchdog thread: ends a stalled engine (see the module docstring)."""
+        assert self.stall_timeout_s is not None
+        period = min(1.0, self.stall_timeout_s / 4)
+        while not self._stop.wait(period):
+            if self.error is not None:
+                return
+            stalled = self._stall()
+            if stalled is None:
+                continue
+            logger.error("%s: failing its streams", stalled)
+            # The loop leaves at once if the stalled step ever returns.
+            self._stop.set()
+            if self._fail_all(stalled) and self.on_death is not None:
+                self.on_death(stalled)
+            return
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestDelta]]] = {}
@@ -296,17 +366,30 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             _post(loop, _put_all, items)
 
-    def _fail_all(self, cause: BaseException) -> None:
+    def _fail_all(self, cause: BaseException) -> bool:
+        """End the engine with ``cause``: every registered stream and pending call gets the
+        error. Runs on the engine thread (a failure, a shutdown) or the watchdog's (a stall);
+        only the first call does anything, and it returns True."""
         with self._lock:
+            if self.error is not None:
+                return False
             self.error = cause
             streams = list(self._streams.values())
             calls = list(self._pending_calls)
             self._pending_calls.clear()
-        error = EngineDeadError(f"engine loop died: {cause!r}")
+        error = _death_error(cause)
         for stream in streams:
             _post(stream.loop, stream.queue.put_nowait, error)
         for fut in calls:
             _post(fut.get_loop(), _set_exception, fut, error)
+        return True
+
+
+def _death_error(cause: BaseException) -> EngineDeadError:
+    """What callers of a dead engine get: a stall as it was diagnosed, anything else wrapped."""
+    if isinstance(cause, EngineStalledError):
+        return EngineStalledError(str(cause))
+    return EngineDeadError(f"engine loop died: {cause!r}")
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:

@@ -95,11 +95,13 @@ def deploy(
         ingress_options={"ray_actor_options": {"num_cpus": 0}},
     )
     serve.run(app, name=name, route_prefix="/", blocking=False)
+    # /health is behind the API key when the app has one.
+    headers = {"Authorization": f"Bearer {args['api_key']}"} if args.get("api_key") else {}
     deadline = time.monotonic() + timeout_s
     last = None
     while time.monotonic() < deadline:
         try:
-            r = httpx.get(f"{base_url}/health", timeout=10)
+            r = httpx.get(f"{base_url}/health", headers=headers, timeout=10)
             last = r.text
             if r.status_code == 200 and r.json().get("replicas", {}).get("RUNNING") == num_replicas:
                 return

@@ -645,7 +645,7 @@ def test_dead_engine_is_detected_well_within_a_minute() -> None:
 def test_replica_background_work_runs_outside_the_request_context() -> None:
     """Ray ties actor calls to the request whose context they run in and cancels them with it
     (a client disconnect); the replica's loops and registry calls must not inherit that."""
-    from deployments.engine_replica import _detached
+    from deployments.replica_report import detached
 
     request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("rid", default=None)
 
@@ -655,7 +655,7 @@ def test_replica_background_work_runs_outside_the_request_context() -> None:
         async def read() -> str | None:
             return request_id.get()
 
-        return await _detached(read())
+        return await detached(read())
 
     assert asyncio.run(run()) is None
 

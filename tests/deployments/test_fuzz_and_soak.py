@@ -3,7 +3,7 @@ HTTP API, and a soak with random client disconnects. Afterwards nothing may be l
 every KV block must be free (or held only by the prefix cache, which counts as free).
 
 The deployment is small on purpose: few KV blocks (so requests get preempted), short outputs,
-KV sharing on, and an API key on every route but /health.
+KV sharing on, and an API key on every route but /ping.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ def base_url(serve_instance: str, tiny_llama_with_tokenizer: Path) -> Iterator[s
 
 GUARDED = [
     ("GET", "/v1/models"),
+    ("GET", "/health"),
     ("GET", "/metrics"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
@@ -86,8 +87,11 @@ def test_api_key_guards_every_route(base_url: str, method: str, path: str, heade
     assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
 
 
-def test_health_stays_open_and_the_key_opens_the_rest(base_url: str) -> None:
-    assert httpx.get(f"{base_url}/health", timeout=30).status_code == 200
+def test_ping_stays_open_and_the_key_opens_the_rest(base_url: str) -> None:
+    ping = httpx.get(f"{base_url}/ping", timeout=30)
+    assert ping.status_code == 200 and ping.json() == {"status": "alive"}
+    health = httpx.get(f"{base_url}/health", headers=AUTH, timeout=30)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
     assert httpx.get(f"{base_url}/metrics", headers=AUTH, timeout=30).status_code == 200
     # The scheme is case-insensitive (RFC 9110).
     lower = {"Authorization": f"bearer {API_KEY}"}

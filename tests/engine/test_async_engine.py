@@ -1,7 +1,8 @@
 """AsyncEngine: the engine thread's failure modes, with a real engine on a tiny checkpoint.
 
-A fault is injected into ``LLMEngine.step`` with monkeypatch; every live stream must end with
-``EngineDeadError``, health checks must fail, and nothing may wait forever.
+A fault or a stall is injected into ``LLMEngine.step`` with monkeypatch; every live stream must end
+with ``EngineDeadError`` (``EngineStalledError`` once the watchdog's bound passes), health checks
+must fail, and nothing may wait forever.
 """
 
 from __future__ import annotations
@@ -9,12 +10,18 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineDeadError, build_on_own_thread
+from engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineStalledError,
+    build_on_own_thread,
+)
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -293,3 +300,135 @@ def test_build_on_own_thread_raises_the_factory_error() -> None:
 
     with pytest.raises(ValueError, match="bad model"):
         build_on_own_thread(factory)
+
+
+# -- the watchdog --------------------------------------------------------------------------------
+
+STALL_S = 0.5
+
+
+@pytest.fixture
+def watched(engine: LLMEngine) -> Iterator[tuple[AsyncEngine, list[BaseException]]]:
+    """An AsyncEngine whose watchdog declares a stall after ``STALL_S``; its deaths recorded."""
+    ae = AsyncEngine(engine, idle_wait_s=0.01, stall_timeout_s=STALL_S)
+    deaths: list[BaseException] = []
+    ae.on_death = deaths.append
+    ae.start()
+    yield ae, deaths
+    ae.shutdown(timeout=DEADLINE_S)
+
+
+def stall_step(
+    monkeypatch: pytest.MonkeyPatch,
+    engine: LLMEngine,
+    stalled: threading.Event,
+    release: threading.Event,
+) -> None:
+    """Make ``engine.step`` block, as a wedged kernel would, until ``release`` is set."""
+    real_step = engine.step
+
+    def step() -> list:
+        stalled.set()
+        release.wait(DEADLINE_S)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+
+
+def test_a_stalled_step_fails_health_and_every_live_stream(
+    watched: tuple[AsyncEngine, list[BaseException]],
+    engine: LLMEngine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ae, deaths = watched
+    stalled, release = threading.Event(), threading.Event()
+
+    async def run() -> tuple[list[BaseException | list[int]], float]:
+        tasks = [asyncio.create_task(consume(ae, f"live{i}", long_params())) for i in range(3)]
+        await asyncio.sleep(0.2)  # every stream is registered and decoding
+        stall_step(monkeypatch, engine, stalled, release)
+        assert await asyncio.to_thread(stalled.wait, DEADLINE_S)
+        stalled_at = time.monotonic()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return results, time.monotonic() - stalled_at
+
+    try:
+        results, took = asyncio.run(asyncio.wait_for(run(), DEADLINE_S))
+        # Every stream ended with the stall, after the bound and about a watchdog period more.
+        assert all(isinstance(r, EngineStalledError) for r in results), results
+        assert "engine thread stalled" in str(results[0]) and "limit 0.5 s" in str(results[0])
+        assert STALL_S * 0.8 <= took <= STALL_S + 3.0, took
+        with pytest.raises(EngineStalledError, match="engine thread stalled"):
+            ae.check_health()
+        assert not ae.is_alive
+        assert len(deaths) == 1 and isinstance(deaths[0], EngineStalledError)
+        # New work is refused at once rather than queued behind the stalled step.
+        with pytest.raises(EngineStalledError):
+            asyncio.run(asyncio.wait_for(consume(ae, "late", long_params()), DEADLINE_S))
+        assert ae.num_streams == 0
+    finally:
+        release.set()
+    # The stalled step returned at last: the loop leaves, without a second death.
+    ae.shutdown(timeout=DEADLINE_S)
+    assert ae._thread is not None and not ae._thread.is_alive()
+    assert len(deaths) == 1
+
+
+def test_a_stalled_command_fails_health_and_its_caller(engine: LLMEngine) -> None:
+    ae = AsyncEngine(engine, idle_wait_s=0.01, stall_timeout_s=0.3)
+    release = threading.Event()
+    ae.start()
+    try:
+
+        async def run() -> None:
+            fut = ae.call(lambda _: release.wait(DEADLINE_S))
+            await asyncio.sleep(0.1)
+            ae.check_health()  # busy, within the bound
+            deadline = time.monotonic() + DEADLINE_S
+            while True:
+                try:
+                    ae.check_health()
+                except EngineStalledError:
+                    break
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            # The stalled command's own caller is not left waiting either.
+            with pytest.raises(EngineStalledError):
+                await asyncio.wait_for(fut, DEADLINE_S)
+
+        asyncio.run(run())
+    finally:
+        release.set()
+        ae.shutdown(timeout=DEADLINE_S)
+
+
+def test_slow_steps_within_the_bound_and_idle_time_are_no_stall(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bound = 1.0
+    ae = AsyncEngine(engine, idle_wait_s=0.01, stall_timeout_s=bound)
+    deaths: list[BaseException] = []
+    ae.on_death = deaths.append
+    real_step = engine.step
+
+    def slow_step() -> list:
+        time.sleep(bound * 0.4)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    ae.start()
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        # Four steps of 0.4 s: longer in all than the bound, each well within it.
+        assert len(asyncio.run(asyncio.wait_for(consume(ae, "slow", params), DEADLINE_S))) == 4
+        time.sleep(bound * 2)  # idle, waiting for work
+        ae.check_health()
+        assert ae.is_alive and deaths == []
+        assert len(asyncio.run(asyncio.wait_for(consume(ae, "after", params), DEADLINE_S))) == 4
+    finally:
+        ae.shutdown(timeout=DEADLINE_S)
+
+
+def test_the_stall_bound_must_be_positive(engine: LLMEngine) -> None:
+    with pytest.raises(ValueError, match="stall_timeout_s"):
+        AsyncEngine(engine, stall_timeout_s=0)
