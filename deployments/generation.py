@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 from fastapi.responses import JSONResponse, Response
@@ -172,16 +173,19 @@ class Generation:
         read: Callable[[Any, int], Awaitable[T]],
     ) -> T:
         """``read(stream, index offset)`` on prompt ``i``'s stream, again while it fails in a
-        way another attempt may not."""
+        way another attempt may not. Each attempt after the first has a request id of its own
+        (``<id>-retry<k>``): the replica that failed it may still hold the first."""
         attempt = 1
+        req = engine_req
         while True:
-            stream = lease.streams[i] = self.backend.open(engine_req, i, len(lease.streams))
+            stream = lease.streams[i] = self.backend.open(req, i, len(lease.streams))
             try:
                 return await read(stream, i * n)
             except RetryableError as e:
                 stream.cancel()
                 await self._retry_pause(e, attempt)
                 attempt += 1
+                req = replace(engine_req, request_id=f"{engine_req.request_id}-retry{attempt - 1}")
 
     async def _open(self, lease: Lease, i: int, engine_req: EngineRequest, n: int) -> StreamItem:
         """Start prompt ``i``'s stream: its first item."""
@@ -270,6 +274,9 @@ class Generation:
                 err = e.error if isinstance(e, RetryableError) else e
                 logger.warning("engine stream failed: %s", err)
                 yield sse(error_body(str(err), err.type, err.param, err.code))
+            except Exception:  # noqa: BLE001 - a bug here must still end the stream properly
+                logger.exception("streaming a response failed")
+                yield sse(error_body("internal error", "internal_server_error", None, None))
             finally:
                 await merged.aclose()
             yield b"data: [DONE]\n\n"

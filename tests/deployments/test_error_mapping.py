@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import contextvars
 import itertools
+import json
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
@@ -704,3 +705,50 @@ def test_request_timeout_ends_the_stream_even_while_the_consumer_is_busy() -> No
     assert sorted(i.index for i in ends) == [0, 1]
     assert all(i.finish_reason == "timeout" for i in ends)
     assert items[-1].done and sum(i.done for i in items) == 1
+
+
+def test_each_retry_has_a_request_id_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(generation_module, "RETRY_BACKOFF_S", 0.0)
+    ids: list[str] = []
+
+    class RecordingBackend(FakeBackend):
+        def open(self, req: EngineRequest, index: int, num_prompts: int) -> FakeStream:
+            ids.append(req.request_id)
+            return super().open(req, index, num_prompts)
+
+    backend = RecordingBackend(
+        FakeStream(ActorDiedError()), FakeStream(ActorDiedError()), FakeStream(item(0, True))
+    )
+    gen = make_generation(backend=backend)
+    req = EngineRequest("cmpl-1", [5], SamplingParams())
+    asyncio.run(gen._complete(gen.admission.lease(1, 1), 0, req, 1))
+    assert ids == ["cmpl-1", "cmpl-1-retry1", "cmpl-1-retry2"]
+    assert req.request_id == "cmpl-1"  # the job's own request is left as it was
+
+
+def test_a_failure_while_streaming_ends_with_an_error_event_and_done() -> None:
+    """A bug past the first token (here: building a chunk) must not cut the stream short."""
+    gen = make_generation()
+    lease = gen.admission.lease(1, 1)
+    lease.streams[0] = FakeStream(item(0, False), item(0, True))
+    builder = ResponseBuilder("completion", "cmpl-1", "tiny", None)
+    real_chunk = builder.chunk
+    calls = 0
+
+    def chunk(it: StreamItem) -> dict:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise KeyError("a bug")
+        return real_chunk(it)
+
+    builder.chunk = chunk  # type: ignore[method-assign]
+
+    async def run() -> list[bytes]:
+        return [b async for b in gen._sse(lease, [item(0, False)], builder, False)]
+
+    events = asyncio.run(run())
+    assert events[-1] == b"data: [DONE]\n\n"
+    err = json.loads(events[-2][len(b"data: ") :])["error"]
+    assert err["type"] == "internal_server_error" and "bug" not in err["message"]
+    assert gen.admission.inflight == 0
