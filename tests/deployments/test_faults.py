@@ -109,23 +109,32 @@ async def short_request(client: httpx.AsyncClient, rng: random.Random) -> httpx.
     return await client.post("/v1/completions", json=body)
 
 
+async def open_streams(
+    client: httpx.AsyncClient, n: int
+) -> tuple[list[StreamLog], list[asyncio.Task], str]:
+    """Open ``n`` long streams sharing PREFIX and wait until each has produced tokens; returns
+    their logs, their tasks and the replica serving most of them."""
+    # Put the prefix in one replica's cache first: the router then sends the streams there.
+    warm = {"model": "tiny", "prompt": PREFIX, "max_tokens": 1}
+    assert (await client.post("/v1/completions", json=warm)).status_code == 200
+    logs = [StreamLog() for _ in range(n)]
+    tasks = [asyncio.create_task(long_stream(client, i, log)) for i, log in enumerate(logs)]
+    deadline = time.monotonic() + 60
+    while not all(log.data_events >= 3 for log in logs):
+        assert time.monotonic() < deadline, [log.data_events for log in logs]
+        assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
+        await asyncio.sleep(0.05)
+    replicas = [log.replica for log in logs]
+    return logs, tasks, max(set(replicas), key=replicas.count)
+
+
 async def streams_then_fault(
     base_url: str, fault: Any
 ) -> tuple[list[StreamLog], float, list[httpx.Response]]:
     """Open STREAMS long streams sharing PREFIX, apply ``fault(replica_id)`` to the replica
     serving most of them once they all produce tokens, then send 20 short requests."""
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-        # Put the prefix in one replica's cache first: the router then sends the streams there.
-        warm = {"model": "tiny", "prompt": PREFIX, "max_tokens": 1}
-        assert (await client.post("/v1/completions", json=warm)).status_code == 200
-        logs = [StreamLog() for _ in range(STREAMS)]
-        tasks = [asyncio.create_task(long_stream(client, i, log)) for i, log in enumerate(logs)]
-        deadline = time.monotonic() + 60
-        while not all(log.data_events >= 3 for log in logs):
-            assert time.monotonic() < deadline, [log.data_events for log in logs]
-            assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
-            await asyncio.sleep(0.05)
-        victim = max({log.replica for log in logs}, key=[log.replica for log in logs].count)
+        logs, tasks, victim = await open_streams(client, STREAMS)
         await asyncio.to_thread(fault, victim)
         fault_at = time.monotonic()
         rng = random.Random(3)

@@ -22,7 +22,7 @@ import pytest
 from deployments.fault_injection import STALL_FILE_ENV, install_stall_hook
 from tests.deployments.conftest import deploy, undeploy
 from tests.deployments.support import engine_replica_ids, scrape
-from tests.deployments.test_faults import PREFIX, StreamLog, long_stream, short_request
+from tests.deployments.test_faults import StreamLog, open_streams, short_request
 
 STALL_BOUND_S = 5.0
 # Acceptance: a stalled replica's streams end with an error event within this.
@@ -118,17 +118,7 @@ async def streams_then_stall(base_url: str, stall_file: Path) -> tuple[list[Stre
     """Open STREAMS long streams sharing PREFIX; once each has produced tokens, stall the replica
     serving most of them; return the streams' logs once they have all ended."""
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-        warm = {"model": "tiny", "prompt": PREFIX, "max_tokens": 1}
-        assert (await client.post("/v1/completions", json=warm)).status_code == 200
-        logs = [StreamLog() for _ in range(STREAMS)]
-        tasks = [asyncio.create_task(long_stream(client, i, log)) for i, log in enumerate(logs)]
-        deadline = time.monotonic() + 60
-        while not all(log.data_events >= 3 for log in logs):
-            assert time.monotonic() < deadline, [log.data_events for log in logs]
-            assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
-            await asyncio.sleep(0.05)
-        replicas = [log.replica for log in logs]
-        victim = max(set(replicas), key=replicas.count)
+        logs, tasks, victim = await open_streams(client, STREAMS)
         stall_file.write_text(victim)
         stalled_at = time.monotonic()
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=ERROR_WITHIN_S + 30)
