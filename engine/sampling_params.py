@@ -77,8 +77,7 @@ class SamplingParams:
     def with_seed(self, seed: int) -> SamplingParams:
         """A copy that differs only in ``seed``; it shares the stop strings, stop token ids and
         logit bias (immutable) rather than copying them."""
-        if not isinstance(seed, int) or isinstance(seed, bool) or not SEED_MIN <= seed <= SEED_MAX:
-            raise ValueError(f"seed: must be an integer in [{SEED_MIN}, {SEED_MAX}], got {seed!r}")
+        _check_seed(seed)
         clone = copy.copy(self)
         clone.seed = seed
         return clone
@@ -141,12 +140,8 @@ class SamplingParams:
                     f"logit_bias: values must be in [-{MAX_ABS_LOGIT_BIAS}, "
                     f"{MAX_ABS_LOGIT_BIAS}], got {bias!r}"
                 )
-        if self.seed is not None and (
-            not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
-        ):
-            raise ValueError(
-                f"seed: must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}"
-            )
+        if self.seed is not None:
+            _check_seed(self.seed)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
@@ -172,3 +167,9 @@ class SamplingParams:
     def stop_strings(self) -> StopStrings:
         assert isinstance(self.stop, StopStrings)
         return self.stop
+
+
+def _check_seed(seed: object) -> None:
+    """What torch.Generator.manual_seed accepts: an int (not a bool) in [SEED_MIN, SEED_MAX]."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not SEED_MIN <= seed <= SEED_MAX:
+        raise ValueError(f"seed: must be an integer in [{SEED_MIN}, {SEED_MAX}], got {seed!r}")
