@@ -188,6 +188,7 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         priority: int = 0,
+        deadline_ms: float | None = None,
         coalesce_s: float = 0.0,
         before_add: Callable[[Any], None] | None = None,
         cache_salt: str | None = None,
@@ -203,7 +204,12 @@ class AsyncEngine:
         """
         self.check_health()
         request = self.engine.make_request(
-            request_id, prompt, params, priority=priority, cache_salt=cache_salt
+            request_id,
+            prompt,
+            params,
+            priority=priority,
+            deadline_ms=deadline_ms,
+            cache_salt=cache_salt,
         )
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-SchedulingPolicy = Literal["fcfs", "priority"]
+# How the waiting queue is ordered (engine.scheduling_policy: each is a tuple of scorers).
+SchedulingPolicy = Literal["fcfs", "priority", "deadline", "shortest_prompt"]
+SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
 AttentionBackendName = Literal["auto", "torch", "cpu", "flash"]
 Device = Literal["auto", "cpu", "cuda"]
 
@@ -32,9 +34,15 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
+    # A request still waiting for its first token when its deadline_ms has passed ends with
+    # finish_reason "rejected" (HTTP 429) instead of being served late.
+    reject_late_requests: bool = False
     # Fraction of KV blocks that admission of a new request leaves free, so that running requests
     # can keep decoding without immediate preemption.
     watermark: float = 0.01
+    # Lower the admission watermark after preemptions and let it recover as requests finish
+    # (engine.admission_watermark).
+    adaptive_watermark: bool = True
     attention_backend: AttentionBackendName = "auto"
     num_threads: int | None = None
     # Pack linear weights once for oneDNN on CPU (bf16 always; fp32 for decode-sized batches,
@@ -62,10 +70,9 @@ class EngineConfig:
             )
         if not _is_number(self.watermark) or not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark: must be in [0, 1), got {self.watermark!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(
-                f"enable_prefix_caching: must be a boolean, got {self.enable_prefix_caching!r}"
-            )
+        for name in ("enable_prefix_caching", "reject_late_requests", "adaptive_watermark"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be a boolean, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
         for name in ("tokenizer", "hash_salt"):
@@ -77,9 +84,10 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
-                f"scheduling_policy: must be fcfs or priority, got {self.scheduling_policy!r}"
+                f"scheduling_policy: must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
             )
         if self.attention_backend not in ("auto", "torch", "cpu", "flash"):
             raise ValueError(

@@ -49,6 +49,11 @@ class EngineStats:
     cache_hit_tokens_remote: int = 0
     finished: Counter = field(default_factory=Counter)
     num_preemptions: int = 0
+    # Requests that missed their deadline (first token), by what became of them: "rejected"
+    # (with reject_late_requests) or "late" (served after it).
+    deadline_missed: Counter = field(default_factory=Counter)
+    # Blocks in use up to which admission admits new requests (engine.admission_watermark).
+    admission_watermark_blocks: int = 0
     num_steps: int = 0
     num_running: int = 0
     num_waiting: int = 0
@@ -210,6 +215,7 @@ class LLMEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        deadline_ms: float | None = None,
         cache_salt: str | None = None,
     ) -> Request:
         """Queue a request; no model work happens here."""
@@ -219,6 +225,7 @@ class LLMEngine:
             params,
             priority=priority,
             arrival_time=arrival_time,
+            deadline_ms=deadline_ms,
             cache_salt=cache_salt,
         )
         self.add_prepared_request(request)
@@ -237,11 +244,19 @@ class LLMEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        deadline_ms: float | None = None,
         cache_salt: str | None = None,
     ) -> Request:
         """Validate and build a request without touching engine state (thread-safe). Requests
-        with different ``cache_salt`` share no cached block (``engine.block_hash.salted``)."""
+        with different ``cache_salt`` share no cached block (``engine.block_hash.salted``).
+        ``deadline_ms``: when its first token is due, counted from ``arrival_time``."""
         params = params or SamplingParams()
+        if deadline_ms is not None and not (
+            isinstance(deadline_ms, int | float)
+            and not isinstance(deadline_ms, bool)
+            and 0 < deadline_ms < float("inf")
+        ):
+            raise ValueError(f"deadline_ms: must be a positive number, got {deadline_ms!r}")
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else as_token_ids(prompt)
         self.validate_prompt(token_ids, params)
         detok = None
@@ -260,6 +275,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             priority=priority,
             arrival_time=arrival_time,
+            deadline_ms=deadline_ms,
             detokenizer=detok,
             block_size=self.config.block_size,
             hash_salt=salted(self.hash_salt, cache_salt),
@@ -283,9 +299,10 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         out = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions_total
+        rejected = [self._rejected_delta(r) for r in out.rejected]
         if out.is_empty:
             self._update_gauges()
-            return []
+            return rejected
         for request in out.first_scheduled:
             self.stats.prompt_tokens += request.num_prompt_tokens
             remote = min(request.num_remote_cached_tokens, request.num_cached_tokens)
@@ -308,6 +325,9 @@ class LLMEngine:
             first = request.first_token_time is None
             if first:
                 request.first_token_time = now
+                if request.deadline is not None and now > request.deadline:
+                    request.missed_deadline = True
+                    self.stats.deadline_missed["late"] += 1
                 if self.on_prefill_done is not None:
                     self.on_prefill_done(request)
             status = self._check_stop(request, token)
@@ -339,7 +359,23 @@ class LLMEngine:
             )
         self.stats.generation_tokens += len(deltas)
         self._update_gauges()
-        return deltas
+        return rejected + deltas
+
+    def _rejected_delta(self, request: Request) -> RequestDelta:
+        """The one and final delta of a request the scheduler rejected: no token."""
+        self.stats.finished["rejected"] += 1
+        self.stats.deadline_missed["rejected"] += 1
+        return RequestDelta(
+            request_id=request.request_id,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=0,
+            num_cached_tokens=0,
+            num_remote_cached_tokens=0,
+        )
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -368,6 +404,7 @@ class LLMEngine:
         s.num_waiting = self.scheduler.num_waiting
         s.kv_usage = self.kv.usage()
         s.num_free_blocks = self.kv.pool.num_free_blocks
+        s.admission_watermark_blocks = self.scheduler.watermark.level
 
     # -- introspection ---------------------------------------------------------------------------
     @property

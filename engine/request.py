@@ -4,6 +4,7 @@
        ^                    │  │ ──max_tokens─> FINISHED_LENGTH
        │                    │  └──preempt───> PREEMPTED ──schedule──> RUNNING
        └────────────────────┴── abort (from any unfinished state) ──> FINISHED_ABORTED
+    WAITING / PREEMPTED, before the first token, past the deadline ──> FINISHED_REJECTED
 
 ``num_computed_tokens`` is the single source of truth for progress: the first
 ``num_computed_tokens`` of ``all_token_ids`` have their KV in the request's blocks. A preempted
@@ -32,6 +33,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    # Could no longer meet its deadline (``EngineConfig.reject_late_requests``).
+    FINISHED_REJECTED = 6
 
     @property
     def is_finished(self) -> bool:
@@ -46,11 +49,20 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_REJECTED: "rejected",
 }
 
 _ALLOWED = {
-    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
-    RequestStatus.PREEMPTED: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
+    RequestStatus.WAITING: {
+        RequestStatus.RUNNING,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_REJECTED,
+    },
+    RequestStatus.PREEMPTED: {
+        RequestStatus.RUNNING,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_REJECTED,
+    },
     RequestStatus.RUNNING: {
         RequestStatus.PREEMPTED,
         RequestStatus.FINISHED_STOPPED,
@@ -70,6 +82,7 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         priority: int = 0,
         arrival_time: float | None = None,
+        deadline_ms: float | None = None,
         detokenizer: IncrementalDetokenizer | None = None,
         block_size: int = 16,
         hash_salt: str = "",
@@ -82,6 +95,12 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # When the first token is due (``time.monotonic()`` seconds), or None: no deadline.
+        self.deadline: float | None = (
+            None if deadline_ms is None else self.arrival_time + deadline_ms / 1000.0
+        )
+        # Set once the request is known to have missed its deadline (counted once).
+        self.missed_deadline = False
         self.detokenizer = detokenizer
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

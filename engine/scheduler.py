@@ -17,17 +17,27 @@ Each ``schedule()`` builds one step:
    blocks are computed (or their owner leaves), so it is bounded by one prefill.
 
 Prefill chunks and decodes share a step, so a long prompt never stalls running streams.
+
+Order: ``EngineConfig.scheduling_policy`` names a tuple of scorers (``engine.scheduling_policy``)
+that orders both queues and picks preemption victims (the largest key). Admission leaves the
+adaptive watermark's reserve free (``engine.admission_watermark``). With
+``reject_late_requests``, a request still waiting for its first token once its deadline has
+passed is finished as rejected at the start of the step, before it takes any block.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.admission_watermark import AdmissionWatermark
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.scheduling_policy import policy_scorers
 
 
 @dataclass
@@ -38,6 +48,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # Requests admitted for the first time this step (their prefix-cache hit is now known).
     first_scheduled: list[Request] = field(default_factory=list)
+    # Requests finished as rejected this step (deadline passed before their first token).
+    rejected: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -52,20 +64,20 @@ class WaitingQueue:
     """Requests ordered by the policy's key; preempted requests keep their original key, so under
     FCFS they come back ahead of everything that arrived after them."""
 
-    def __init__(self, policy: str) -> None:
+    def __init__(self, policy: str | tuple[str, ...]) -> None:
         self.policy = policy
+        self._scorers = policy_scorers(policy)  # type: ignore[arg-type]
         self._keys: list[tuple] = []
         self._reqs: list[Request] = []
         self._seq = itertools.count()
 
     def key(self, request: Request) -> tuple:
-        seq = getattr(request, "_queue_seq", None)
-        if seq is None:
-            seq = next(self._seq)
-            request._queue_seq = seq  # type: ignore[attr-defined]
-        if self.policy == "priority":
-            return (request.priority, request.arrival_time, seq)
-        return (request.arrival_time, seq)
+        """Computed once per request: every scorer reads a value fixed for its lifetime."""
+        key = getattr(request, "_queue_key", None)
+        if key is None:
+            key = (*(score(request) for score in self._scorers), next(self._seq))
+            request._queue_key = key  # type: ignore[attr-defined]
+        return key
 
     def push(self, request: Request) -> None:
         key = self.key(request)
@@ -96,10 +108,20 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        self.clock = clock
+        self.watermark = AdmissionWatermark.for_pool(
+            kv.num_blocks, config.watermark, config.adaptive_watermark
+        )
         self.waiting = WaitingQueue(config.scheduling_policy)
         # Kept in policy order (the waiting queue's key), so that the running loop serves the
         # most important requests first and preemption victims come from the tail.
@@ -123,7 +145,9 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         request.set_status(status)
+        free_before = self.kv.pool.num_free_blocks
         self.kv.free(request)
+        self.watermark.on_release(self.kv.pool.num_free_blocks - free_before)
         self.requests.pop(request.request_id, None)
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -168,9 +192,23 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.push(request)
 
+    def _reject_late(self, out: SchedulerOutput) -> None:
+        now = self.clock()
+        late = [
+            r
+            for r in self.waiting
+            if r.deadline is not None and r.first_token_time is None and r.deadline <= now
+        ]
+        for request in late:
+            request.missed_deadline = True
+            self.finish_request(request, RequestStatus.FINISHED_REJECTED)
+            out.rejected.append(request)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.config.reject_late_requests and self.waiting:
+            self._reject_late(out)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -194,7 +232,9 @@ class Scheduler:
             break
 
         if out.preempted:
+            self.watermark.on_preemption(self.kv.num_blocks - self.kv.pool.num_free_blocks)
             return out
+        self.kv.watermark_blocks = self.watermark.reserve
 
         # Only needed to admit someone; a steady decode step has nobody waiting.
         inflight = self._inflight_block_hashes() if self.waiting else None
