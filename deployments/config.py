@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SchedulingPolicy
 
 
 class _Strict(BaseModel):
@@ -30,8 +30,10 @@ class EngineArgs(_Strict):
     max_num_batched_tokens: int = Field(2048, gt=0)
     max_model_len: int | None = Field(None, gt=0)
     enable_prefix_caching: bool = True
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    reject_late_requests: bool = False
     watermark: float = Field(0.01, ge=0, lt=1)
+    adaptive_watermark: bool = True
     attention_backend: Literal["auto", "torch", "flash"] = "auto"
     # None: as many threads as the replica's num_cpus.
     num_threads: int | None = Field(None, gt=0)

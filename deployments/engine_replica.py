@@ -32,7 +32,13 @@ from ray import serve
 from deployments.choices import choice_params, merge_streams
 from deployments.config import AppArgs
 from deployments.cpu_affinity import replica_engine_cpus, restore_priority
-from deployments.engine_request import EngineError, EngineRequest, StreamItem, error_item
+from deployments.engine_request import (
+    DEADLINE_EXCEEDED,
+    EngineError,
+    EngineRequest,
+    StreamItem,
+    error_item,
+)
 from deployments.fault_injection import install_stall_hook
 from deployments.kv_sharing import KVSharing
 from deployments.metrics import ReplicaMetrics
@@ -201,6 +207,7 @@ class EngineReplica:
                 req.prompt_token_ids,
                 choice_params(params, k),
                 priority=req.priority,
+                deadline_ms=req.deadline_ms,
                 coalesce_s=self.coalesce_s if req.stream else NON_STREAMING_COALESCE_S,
                 # The other choices find the imported blocks in the prefix cache.
                 before_add=before_add if k == 0 else None,
@@ -225,6 +232,16 @@ class EngineReplica:
                         index, batch = await anext(merged)
                     except StopAsyncIteration:
                         break
+                if batch[-1].finish_reason == "rejected":
+                    # Every choice shares the deadline: one rejection answers the request.
+                    yield error_item(
+                        429,
+                        f"deadline_ms: the first token could no longer be served within "
+                        f"{req.deadline_ms:g} ms; retry later",
+                        "overloaded_error",
+                        DEADLINE_EXCEEDED,
+                    )
+                    return
                 if first_at is None:
                     first_at = time.monotonic()
                 last[index] = batch[-1]

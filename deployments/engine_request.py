@@ -13,6 +13,9 @@ from typing import Any
 
 from engine.sampling_params import SamplingParams
 
+# The code of the 429 that ends a request whose first token missed its deadline_ms.
+DEADLINE_EXCEEDED = "deadline_exceeded"
+
 
 @dataclass
 class EngineRequest:
@@ -23,6 +26,8 @@ class EngineRequest:
     # Chained hashes of the prompt's full blocks (engine.block_hash), for routing and KV import.
     block_hashes: list[int] = field(default_factory=list)
     priority: int = 0
+    # Milliseconds from arrival at the engine replica by which the first token is due.
+    deadline_ms: float | None = None
     timeout_s: float | None = None
     # False when the client waits for the whole answer: the replica then sends few, large items.
     stream: bool = True

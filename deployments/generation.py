@@ -27,7 +27,12 @@ from ray.serve.exceptions import BackPressureError
 from deployments.admission import Admission, Lease, LeasedStreamingResponse, gather, read_to_end
 from deployments.choices import merge_streams
 from deployments.config import AppArgs
-from deployments.engine_request import EngineError, EngineRequest, StreamItem
+from deployments.engine_request import (
+    DEADLINE_EXCEEDED,
+    EngineError,
+    EngineRequest,
+    StreamItem,
+)
 from deployments.http_errors import HTTPError
 from deployments.openai_format import ResponseBuilder, error_body, sse
 from deployments.validation import GenerationJob
@@ -119,6 +124,7 @@ class Generation:
                     ids, self.block_size, salted(self.hash_salt, job.cache_salt)
                 ),
                 priority=job.priority,
+                deadline_ms=job.deadline_ms,
                 timeout_s=self.args.limits.request_timeout_s,
                 stream=job.stream,
                 n=job.n,
@@ -225,8 +231,9 @@ class Generation:
         if isinstance(item, EngineError):
             if item.retryable:  # never reached a working engine
                 raise RetryableError(self._unavailable(item.message))
-            if item.status == 429:
-                # The router's view of replica load lags; another replica may have room.
+            if item.status == 429 and item.code != DEADLINE_EXCEEDED:
+                # The router's view of replica load lags; another replica may have room (a
+                # missed deadline is missed everywhere).
                 self.admission.metrics.rejected["engine_replica"].inc()
                 raise RetryableError(self._item_error(item), backoff=False)
             raise self._item_error(item)

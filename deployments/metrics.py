@@ -65,6 +65,20 @@ class ReplicaMetrics:
         self.preemptions = Counter(
             "prefixserve_num_preemptions", "Requests preempted for KV space.", labels, registry=r
         )
+        self.deadline_missed = Counter(
+            "prefixserve_requests_deadline_missed",
+            "Requests whose first token missed their deadline_ms, by action: rejected (429 at "
+            "admission, with engine.reject_late_requests) or late (served after it).",
+            ["replica", "action"],
+            registry=r,
+        )
+        self.admission_watermark = Gauge(
+            "prefixserve_kv_admission_watermark_blocks",
+            "KV blocks in use up to which new requests are admitted: lowered after preemptions, "
+            "recovering as requests finish.",
+            labels,
+            registry=r,
+        )
         self.running = Gauge(
             "prefixserve_num_requests_running", "Requests in the running batch.", labels, registry=r
         )
@@ -106,6 +120,8 @@ class ReplicaMetrics:
         # Create the labelled children now so every family is exported from the start.
         for source in ("local", "remote"):
             self.cache_hits.labels(replica=replica_id, source=source)
+        for action in ("rejected", "late"):
+            self.deadline_missed.labels(replica=replica_id, action=action)
         for child in (self.prompt_tokens, self.generation_tokens, self.preemptions):
             child.labels(replica=replica_id)
         self.extra_counters: dict[str, Counter] = {}
@@ -135,12 +151,15 @@ class ReplicaMetrics:
         self._mirror(self.preemptions, stats.num_preemptions)
         for reason, count in list(stats.finished.items()):
             self._mirror(self.requests, count, finish_reason=reason)
+        for action, count in list(stats.deadline_missed.items()):
+            self._mirror(self.deadline_missed, count, action=action)
         rid = self.replica_id
         self.running.labels(replica=rid).set(stats.num_running)
         self.waiting.labels(replica=rid).set(stats.num_waiting)
         self.kv_usage.labels(replica=rid).set(stats.kv_usage)
         self.kv_free.labels(replica=rid).set(stats.num_free_blocks)
         self.kv_total.labels(replica=rid).set(stats.num_blocks)
+        self.admission_watermark.labels(replica=rid).set(stats.admission_watermark_blocks)
 
     def observe_request(self, ttft_s: float | None, tpot_s: float | None) -> None:
         if ttft_s is not None:

@@ -26,6 +26,7 @@ from deployments.request_limits import (
     INT64_MIN,
     MAX_CACHE_SALT_CHARS,
     MAX_CONTENT_PARTS,
+    MAX_DEADLINE_MS,
     MAX_LOGIT_BIAS,
     MAX_MESSAGE_CHARS,
     MAX_MESSAGES,
@@ -80,11 +81,24 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    # vLLM's field: lower is more urgent (used by the priority and deadline policies).
     priority: Int64 = 0
+    # Milliseconds from arrival at the engine by which the first token is due (SLO class);
+    # the deadline policy serves earlier deadlines first, and a server that rejects late
+    # requests answers 429 once it has passed.
+    deadline_ms: Annotated[float, Field(gt=0, le=MAX_DEADLINE_MS, strict=False)] | None = None
     user: str | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+
+    @field_validator("deadline_ms", mode="before")
+    @classmethod
+    def _deadline_is_a_number(cls, v: Any) -> Any:
+        # Lax float parsing would take "100" or true.
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+            raise ValueError("must be a number of milliseconds")
+        return v
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -33,6 +33,9 @@ MAX_CONTENT_PARTS = 256
 # Characters of a cache_salt (vLLM's field: requests with different salts share no cached KV).
 MAX_CACHE_SALT_CHARS = 256
 
+# A request's deadline_ms (its first token's): at most a day.
+MAX_DEADLINE_MS = 86_400_000
+
 # Integers that reach native code (a seed becomes a torch generator's 64-bit state) or a
 # scheduler key must fit a signed 64-bit integer; JSON allows any size.
 INT64_MIN = -(2**63)

@@ -25,6 +25,7 @@ from deployments.protocol import ChatCompletionRequest, CompletionRequest, Proto
 from engine.model.config import model_config_from_hf
 from engine.model.loader import load_hf_config, load_tokenizer, resolve_model
 from engine.sampling_params import SamplingParams
+from engine.scheduling_policy import uses_priority
 
 
 @dataclass
@@ -39,6 +40,7 @@ class GenerationJob:
     include_usage: bool
     priority: int
     cache_salt: str | None = None
+    deadline_ms: float | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -171,6 +173,7 @@ class RequestValidator:
     def completion(self, body: Any) -> GenerationJob:
         req = self._parse(CompletionRequest, body)
         self._check_model(req.model)
+        self._check_priority(req.priority)
         try:
             prompts = req.prompts()
             # OpenAI's default for completions, within the configured limit.
@@ -204,6 +207,7 @@ class RequestValidator:
     def chat(self, body: Any) -> GenerationJob:
         req = self._parse(ChatCompletionRequest, body)
         self._check_model(req.model)
+        self._check_priority(req.priority)
         self._check_sequences(1, req.n)
         prompt_ids = self._chat_tokens(req)
         # Chat defaults to "until the context is full", capped by the configured limit.
@@ -225,6 +229,17 @@ class RequestValidator:
         )
         return self._job(req, [prompt_ids], params, builder)
 
+    def _check_priority(self, priority: int) -> None:
+        """As vLLM: a priority other than 0 is refused where the policy would ignore it."""
+        policy = self.args.engine.scheduling_policy
+        if priority != 0 and not uses_priority(policy):
+            raise HTTPError(
+                400,
+                f"priority: got {priority}, but the scheduling policy {policy!r} does not "
+                "order by priority (use priority or deadline)",
+                param="priority",
+            )
+
     @staticmethod
     def _job(
         req: Any, prompts: list[list[int]], params: SamplingParams, builder: ResponseBuilder
@@ -238,4 +253,5 @@ class RequestValidator:
             include_usage=req.include_usage,
             priority=req.priority,
             cache_salt=req.cache_salt,
+            deadline_ms=req.deadline_ms,
         )
