@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from engine.allocator import keep_freed_memory
-from engine.attention.base import select_backend
+from engine.attention import select_backend
 from engine.block_hash import salted
 from engine.config import EngineConfig
 from engine.cpuinfo import cpu_has_bf16

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampler import TokenLogprobs
+
+@dataclass
+class TokenLogprobs:
+    """One position's logprob of its token and its most likely alternatives (defined here, not
+    in ``engine.sampler``, so that requests and outputs need nothing from sampling)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass

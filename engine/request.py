@@ -23,7 +23,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.sampler import TokenLogprobs
+    from engine.outputs import TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):

@@ -14,15 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import native
+from engine.outputs import TokenLogprobs
 from engine.penalties import apply_penalties
 from engine.request import Request
 
-
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
+__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "token_logprobs"]
 
 
 @dataclass

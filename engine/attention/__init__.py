@@ -1,5 +1,63 @@
-"""Attention backends: one interface, a PyTorch path (CPU and reference) and flash-attention on CUDA."""
+"""Attention backends: one interface (``base``), a PyTorch path (CPU and reference), a native CPU
+path and flash-attention on CUDA.
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, select_backend
+The registry lives here, not in ``base``: the backends import the interface, and the package
+picks among them, so nothing imports in a circle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "select_backend"]
+
+
+def flash_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import vllm_flash_attn  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def native_cpu_available(device: torch.device) -> bool:
+    if device.type != "cpu":
+        return False
+    from engine.attention import native
+
+    return native.available()
+
+
+def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """``auto`` picks flash-attention on CUDA when ``vllm_flash_attn`` imports; on CPU the native
+    paged decode kernel when it builds (``cpu``); else the pure-PyTorch ``torch`` backend."""
+    if name == "auto":
+        if flash_available(device) and dtype != torch.float32:
+            name = "flash"
+        elif native_cpu_available(device):
+            name = "cpu"
+        else:
+            name = "torch"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("attention_backend: cpu runs on the CPU device only")
+        from engine.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend(dtype)
+    if name == "flash":
+        if not flash_available(device):
+            raise ValueError("attention_backend: flash needs a CUDA device and vllm-flash-attn")
+        if dtype == torch.float32:
+            raise ValueError("attention_backend: flash supports float16 and bfloat16 only")
+        from engine.attention.flash_backend import FlashAttentionBackend
+
+        return FlashAttentionBackend()
+    if name == "torch":
+        from engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    raise ValueError(f"attention_backend: unknown backend {name!r}")

@@ -24,16 +24,32 @@ and is rebuilt whenever the KV cache list changes identity.
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import torch
 
 from engine.attention import native
-from engine.attention.base import AttentionMetadata
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.model.config import ModelConfig
 from engine.model.linear import decode_max_rows
 
-if TYPE_CHECKING:
-    from engine.model.llama import LlamaForCausalLM
+
+class LlamaForCausalLM(Protocol):
+    """What the native stack reads of ``engine.model.llama.LlamaForCausalLM`` (named by shape,
+    not imported: that module imports this one)."""
+
+    cfg: ModelConfig
+    backend: AttentionBackend
+    embed: torch.Tensor
+    norm: torch.Tensor
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    scale: float
+
+    @property
+    def layers(self) -> Iterable[Any]: ...
+
 
 _PTRS = ctypes.POINTER(ctypes.c_void_p)
 

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import native
-from engine.attention.base import select_backend
+from engine.attention import native, select_backend
 from engine.cpuinfo import cpu_flags
 
 needs_compiler = pytest.mark.skipif(
