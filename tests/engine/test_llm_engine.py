@@ -176,7 +176,10 @@ class EngineMachine(RuleBasedStateMachine):
         self.aborted: set[str] = set()
         self.next_id = 0
 
-    @initialize(policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans())
+    @initialize(
+        policy=st.sampled_from(["fcfs", "priority", "deadline", "shortest_prompt"]),
+        caching=st.booleans(),
+    )
     def start(self, policy: str, caching: bool) -> None:
         self.engine = make_engine(
             self.model_dir,
@@ -196,19 +199,24 @@ class EngineMachine(RuleBasedStateMachine):
                 st.lists(st.integers(3, 511), min_size=1, max_size=16),
                 st.integers(1, 12),
                 st.integers(0, 3),
+                st.sampled_from([None, 0.001, 50.0, 1e6]),
             ),
             min_size=1,
             max_size=4,
         ),
     )
-    def add(self, specs: list[tuple[int, list[int], int, int]]) -> MultipleResults[str]:
+    def add(
+        self, specs: list[tuple[int, list[int], int, int, float | None]]
+    ) -> MultipleResults[str]:
         rids = []
-        for prefix, suffix, max_tokens, priority in specs:
+        for prefix, suffix, max_tokens, priority, deadline_ms in specs:
             rid = f"r{self.next_id}"
             self.next_id += 1
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
             self.prompts[rid] = PREFIXES[prefix] + suffix
-            self.engine.add_request(rid, self.prompts[rid], params, priority=priority)
+            self.engine.add_request(
+                rid, self.prompts[rid], params, priority=priority, deadline_ms=deadline_ms
+            )
             self.added[rid] = params
             self.outputs[rid] = []
             rids.append(rid)
