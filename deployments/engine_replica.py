@@ -86,8 +86,16 @@ class EngineReplica:
             stall_timeout_s=self.args.engine_stall_timeout_s,
         )
         self.async_engine.on_death = self._on_engine_death
-        self.async_engine.start()
+        # Warmed up on the engine thread before this constructor returns: Serve reports the
+        # replica as starting (and /health answers 503) until then, and the first request
+        # pays no first-use cost.
+        self.async_engine.start(warm_up=True)
+        self.async_engine.wait_ready()
+        warmup = self.async_engine.warmup_report
+        logger.info("engine replica %s: %s", self.replica_id, warmup)
         self.metrics = ReplicaMetrics(self.replica_id)
+        if warmup is not None:
+            self.metrics.warmup_seconds.labels(replica=self.replica_id).set(warmup.seconds)
         self.num_admitted = 0
         self.admitted_peak = 0
         self.admitted_gauge = Gauge(

@@ -79,6 +79,13 @@ class ReplicaMetrics:
             labels,
             registry=r,
         )
+        self.warmup_seconds = Gauge(
+            "prefixserve_engine_warmup_seconds",
+            "Seconds the engine spent warming up (each batch shape class once) before the "
+            "replica reported ready.",
+            labels,
+            registry=r,
+        )
         self.running = Gauge(
             "prefixserve_num_requests_running", "Requests in the running batch.", labels, registry=r
         )

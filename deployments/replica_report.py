@@ -88,7 +88,7 @@ class ReplicaReporter:
         if self._registry is None:
             self._registry = serve.get_deployment_actor(REGISTRY_ACTOR)
         report = {
-            "healthy": self.async_engine.is_alive,
+            "healthy": self.async_engine.is_ready,
             "node_id": ray.get_runtime_context().get_node_id(),
             "started_at": self.started_at,
             "metrics": self.metrics.snapshot(),

@@ -40,6 +40,9 @@ class AdmissionWatermark:
         """Free blocks that admitting a new request must leave."""
         return self.num_blocks - self.level
 
+    def reset(self) -> None:
+        self.level = self.base
+
     def on_preemption(self, blocks_in_use: int) -> None:
         if self.adaptive:
             self.level = max(0, min(self.level, blocks_in_use))

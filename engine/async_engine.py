@@ -27,6 +27,11 @@ sleeping on a futex, so each of the hundreds of barriers in a step turns into a 
 wake-up. Build the engine with ``build_on_own_thread`` (loading and packing a model is parallel
 work) and hand tensors to other threads as numpy arrays.
 
+Warm-up: started with ``warm_up=True``, the engine thread first runs ``engine.warmup.warm_up``
+(every batch shape class once, on the thread and OpenMP team that will serve) and only then
+takes commands; ``check_health`` raises ``EngineWarmingUp`` and ``is_ready`` is False until it
+has finished. Requests that arrive meanwhile wait in the command queue.
+
 Failure: if ``step()`` (or any command) raises, the loop stops for good. ``error`` is set and every
 registered stream and every pending ``call`` future receive ``EngineDeadError`` in the same
 critical section (under ``_lock``), and nothing registers after it, so no caller waits forever on
@@ -61,6 +66,7 @@ from typing import Any, TypeVar
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
+from engine.warmup import WarmupReport, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +82,10 @@ def build_on_own_thread(factory: Callable[[], T]) -> T:
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped on an exception; every live stream ends with this error."""
+
+
+class EngineWarmingUp(RuntimeError):
+    """The engine thread is still warming up: alive, not yet serving."""
 
 
 class EngineStalledError(EngineDeadError):
@@ -127,10 +137,18 @@ class AsyncEngine:
         # Written only by the engine thread: when it last started or finished a unit of work
         # (step or command); None while it waits for work. Read by the watchdog and health checks.
         self._busy_since: float | None = None
+        # Set once the engine thread is ready to serve (after its warm-up, if any).
+        self._ready = threading.Event()
+        self._warm_up = False
+        self.warmup_report: WarmupReport | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, warm_up: bool = False) -> None:
+        """Start the engine thread; with ``warm_up``, it warms the engine up before serving."""
         if self._thread is None:
+            self._warm_up = warm_up
+            if not warm_up:
+                self._ready.set()
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
             self._thread.start()
             if self.stall_timeout_s is not None:
@@ -151,10 +169,30 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
+    @property
+    def is_ready(self) -> bool:
+        """Alive and past its warm-up: able to serve."""
+        return self._ready.is_set() and self.is_alive
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the engine is ready to serve (True), it died (raises), or ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ready.wait(0.05):
+            self._check_running()
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+        self._raise_if_dead()
+        return True
+
     def check_health(self) -> None:
         """Raises ``EngineDeadError`` when the loop died or stopped, ``EngineStalledError`` as
         soon as the current step or command has overrun ``stall_timeout_s`` (the watchdog may
-        not have woken yet)."""
+        not have woken yet), ``EngineWarmingUp`` until the warm-up has finished."""
+        self._check_running()
+        if not self._ready.is_set():
+            raise EngineWarmingUp("engine is warming up")
+
+    def _check_running(self) -> None:
         self._raise_if_dead()
         if self._thread is None or not self._thread.is_alive():
             raise EngineDeadError("engine loop is not running")
@@ -202,7 +240,7 @@ class AsyncEngine:
         a process boundary costs CPU. The window is ``coalesce_s``, or ``window_s()`` when the
         item budget makes that longer. The final delta ends a batch at once.
         """
-        self.check_health()
+        self._check_running()
         request = self.engine.make_request(
             request_id,
             prompt,
@@ -272,7 +310,7 @@ class AsyncEngine:
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future:
         """Run ``fn(engine)`` on the engine thread between steps; await the returned future."""
-        self.check_health()
+        self._check_running()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
 
@@ -329,6 +367,10 @@ class AsyncEngine:
     def _run(self) -> None:
         self._pin()
         try:
+            if self._warm_up:
+                self._busy_since = time.monotonic()  # the watchdog covers the warm-up too
+                self.warmup_report = warm_up(self.engine)
+            self._ready.set()
             while not self._stop.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
                 if not self.engine.has_unfinished_requests():

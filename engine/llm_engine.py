@@ -398,6 +398,15 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def reset_counters(self) -> None:
+        """Counters and the admission watermark as a fresh engine has them (after a warm-up);
+        only while idle."""
+        assert not self.has_unfinished_requests()
+        self.scheduler.num_preemptions_total = 0
+        self.scheduler.watermark.reset()
+        self.stats = EngineStats(num_blocks=self.num_blocks)
+        self._update_gauges()
+
     def _update_gauges(self) -> None:
         s = self.stats
         s.num_running = self.scheduler.num_running

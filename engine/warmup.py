@@ -1,0 +1,151 @@
+"""Warm-up: run each batch shape class the step will meet once, before the engine serves.
+
+The first step of each kind pays one-time costs that a request should not: the native kernels
+are compiled or loaded on first use, oneDNN creates its primitives per shape class (prefill rows,
+decode rows, the fp32 and bf16 packed paths), the attention backend takes different paths for a
+long prefill, a short one, a prefill over cached context and a decode, and the engine thread's
+OpenMP team starts on its first parallel op. Run on the thread that will serve (the team stays).
+
+Each class is a small request set pushed through ``LLMEngine.step`` to completion:
+
+* ``prefill_long``: one prompt long enough for the multi-row paths (oneDNN, SDPA or the tile
+  kernel), then ``decode_1``: its batch-1 decode steps (the native forward where it applies);
+* ``prefill_prefix_hit`` and ``decode_batch``: several prompts behind the first one's prefix
+  (prefill over cached context, short chunks), decoding together, sampled with seeds;
+* ``mixed``: a prefill chunk and decodes in one step.
+
+Afterwards nothing of it remains: every block is free, the prefix cache and its events are
+cleared, and the counters are those of a fresh engine (requests ids start with ``warmup-``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SHAPE_CLASSES = (
+    "prefill_long",
+    "decode_1",
+    "prefill_prefix_hit",
+    "decode_batch",
+    "mixed",
+)
+# Tokens of the long prompt (capped by the engine's limits).
+LONG_PROMPT_TOKENS = 256
+# Sequences decoding together in ``decode_batch``.
+BATCH_SEQS = 8
+MAX_STEPS = 10_000
+
+
+@dataclass
+class WarmupReport:
+    """What the warm-up ran: the shape classes in order, engine steps and wall time."""
+
+    shape_classes: list[str] = field(default_factory=list)
+    steps: int = 0
+    requests: int = 0
+    seconds: float = 0.0
+
+
+def _tokens(n: int, start: int, vocab: int) -> list[int]:
+    """``n`` ordinary token ids (never the low ids that tokenizers keep for special tokens)."""
+    low = min(16, vocab - 1)
+    span = vocab - low
+    return [low + (start + 7919 * i) % span for i in range(n)]
+
+
+def warm_up(engine: LLMEngine) -> WarmupReport:
+    """Run every shape class once on ``engine``, which must be idle; leaves it as it was."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("warm-up needs an idle engine")
+    report = WarmupReport()
+    started = time.monotonic()
+    vocab = engine.model_cfg.vocab_size
+    cfg = engine.config
+    hook, engine.on_prefill_done = engine.on_prefill_done, None
+    # Room to generate within max_model_len and the pool, and one chunk per prefill.
+    long_len = max(
+        2,
+        min(
+            LONG_PROMPT_TOKENS,
+            cfg.max_num_batched_tokens,
+            engine.max_model_len - 8,
+            (engine.num_blocks // 2) * cfg.block_size - 8,
+        ),
+    )
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    long_prompt = _tokens(long_len, 1, vocab)
+    try:
+        _run(engine, report, ["prefill_long", "decode_1"], [long_prompt], greedy)
+        n = max(1, min(BATCH_SEQS, cfg.max_num_seqs))
+        prefix = long_prompt[: max(1, long_len - cfg.block_size)]
+        suffix_len = max(1, min(cfg.block_size, long_len - len(prefix)))
+        batch = [prefix + _tokens(suffix_len, 100 + i, vocab) for i in range(n)]
+        sampled = [SamplingParams(max_tokens=3, temperature=1.0, seed=i) for i in range(n)]
+        _run(engine, report, ["prefill_prefix_hit", "decode_batch"], batch, sampled)
+        _run_mixed(engine, report, _tokens(min(8, long_len), 500, vocab), greedy)
+    finally:
+        engine.on_prefill_done = hook
+    _forget(engine)
+    report.seconds = time.monotonic() - started
+    logger.info(
+        "warm-up: %s in %d steps, %.2f s", ", ".join(report.shape_classes), report.steps,
+        report.seconds,
+    )  # fmt: skip
+    return report
+
+
+def _add(
+    engine: LLMEngine, report: WarmupReport, prompt: list[int], params: SamplingParams
+) -> None:
+    engine.add_request(f"warmup-{report.requests}", prompt, params)
+    report.requests += 1
+
+
+def _drain(engine: LLMEngine, report: WarmupReport) -> None:
+    for _ in range(MAX_STEPS):
+        if not engine.has_unfinished_requests():
+            return
+        engine.step()
+        report.steps += 1
+    raise RuntimeError("warm-up did not finish")
+
+
+def _run(
+    engine: LLMEngine,
+    report: WarmupReport,
+    classes: list[str],
+    prompts: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+) -> None:
+    for i, prompt in enumerate(prompts):
+        _add(engine, report, prompt, params[i] if isinstance(params, list) else params)
+    _drain(engine, report)
+    report.shape_classes += classes
+
+
+def _run_mixed(
+    engine: LLMEngine, report: WarmupReport, prompt: list[int], params: SamplingParams
+) -> None:
+    """One request decoding while a second one's prompt is computed in the same step."""
+    _add(engine, report, prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.step()
+    report.steps += 1
+    _add(engine, report, list(reversed(prompt)), params)
+    _drain(engine, report)
+    report.shape_classes.append("mixed")
+
+
+def _forget(engine: LLMEngine) -> None:
+    """Back to a fresh engine's state: no cached hash, no block event, zeroed counters."""
+    pool = engine.kv.pool
+    if not pool.reset_prefix_cache():
+        raise RuntimeError("warm-up left blocks held")
+    pool.drain_events()
+    engine.reset_counters()
