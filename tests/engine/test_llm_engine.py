@@ -247,8 +247,10 @@ class EngineMachine(RuleBasedStateMachine):
             assert d.num_output_tokens <= self.added[d.request_id].max_tokens
             if d.finished:
                 self.finished[d.request_id] = d.finish_reason
+                # An EOS wins over max_tokens when it is the last token (as in vLLM).
+                eos = d.new_token_ids[-1] in self.engine.eos_token_ids
                 length = d.num_output_tokens == self.added[d.request_id].max_tokens
-                assert d.finish_reason == ("length" if length else "stop")
+                assert d.finish_reason == ("length" if length and not eos else "stop"), d
 
     @invariant()
     def pool_is_consistent(self) -> None:
