@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,7 +27,13 @@ def base_url(serve_instance: str, tiny_llama_with_tokenizer: Path) -> Iterator[s
         {
             "model": str(tiny_llama_with_tokenizer),
             "served_model_name": "tiny",
-            "engine": {"dtype": "float32", "num_kv_blocks": 256, "max_num_seqs": 16},
+            "engine": {
+                "dtype": "float32",
+                "num_kv_blocks": 256,
+                "max_num_seqs": 16,
+                "scheduling_policy": "deadline",
+                "reject_late_requests": True,
+            },
             "stream_interval_ms": 5,
         },
     )
@@ -446,3 +453,48 @@ def test_malformed_json_and_still_serving(base_url: str, client: OpenAI) -> None
     assert "JSON" in r.json()["error"]["message"]
     ok = client.completions.create(model="tiny", prompt="still alive?", max_tokens=3)
     assert ok.usage.completion_tokens >= 1
+
+
+def test_replicas_warm_up_and_late_requests_get_a_429(base_url: str, client: OpenAI) -> None:
+    # deploy() waited for /health: every replica had finished its warm-up by then.
+    warmups = {
+        lab: v
+        for (name, lab), v in metrics(base_url).items()
+        if name == "prefixserve_engine_warmup_seconds"
+    }
+    assert len(warmups) == 2 and all(v > 0 for v in warmups.values())
+    # A deadline of 1 µs has passed before the engine's next step: rejected before any work.
+    with pytest.raises(openai.RateLimitError) as info:
+        client.completions.create(
+            model="tiny", prompt="Hello", max_tokens=4, extra_body={"deadline_ms": 0.001}
+        )
+    error = info.value.body
+    assert isinstance(error, dict) and error["code"] == "deadline_exceeded"
+    assert "deadline_ms" in error["message"]
+    body = {
+        "model": "tiny",
+        "messages": QUESTION,
+        "max_tokens": 4,
+        "stream": True,
+        "deadline_ms": 0.001,
+    }
+    r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "deadline_exceeded"
+    assert r.headers.get("retry-after")
+    # A deadline that can be met, with vLLM's priority: served as usual.
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=QUESTION,
+        max_tokens=3,
+        extra_body={"deadline_ms": 60_000, "priority": -1},
+    )
+    assert out.choices[0].finish_reason == "length"
+    give_up = time.monotonic() + 30
+    while time.monotonic() < give_up:
+        m = metrics(base_url)
+        if total(m, "prefixserve_requests_deadline_missed_total", action="rejected") >= 2:
+            break
+        time.sleep(0.5)
+    assert total(m, "prefixserve_requests_deadline_missed_total", action="rejected") == 2
+    assert total(m, "prefixserve_requests_total", finish_reason="rejected") == 2
+    assert total(m, "prefixserve_kv_admission_watermark_blocks") > 0
