@@ -42,11 +42,12 @@ class SimRequest:
         "status",
         "arrival_time",
         "priority",
+        "deadline",
         "num_cached_tokens",
         "num_remote_cached_tokens",
         "num_preemptions",
         "block_hashes",
-        "_queue_seq",
+        "_queue_key",
         "replica",
         "first_token_time",
         "finish_time",
@@ -62,6 +63,7 @@ class SimRequest:
         self.status = RequestStatus.WAITING
         self.arrival_time = spec.arrival
         self.priority = 0
+        self.deadline: float | None = None
         self.num_cached_tokens = -1
         self.num_remote_cached_tokens = 0
         self.num_preemptions = 0
@@ -70,7 +72,8 @@ class SimRequest:
         self.block_hashes = list(spec.block_hashes) + [
             tail - j for j in range(total_blocks - len(spec.block_hashes))
         ]
-        self._queue_seq: int | None = None
+        # Set by the scheduler's waiting queue on first sight (its order key).
+        self._queue_key: tuple | None = None
         self.replica: str | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
