@@ -4,11 +4,12 @@ Each ``schedule()`` builds one step:
 
 1. Running requests first, in policy order: a decode costs 1 token, an unfinished prefill a
    chunk of at most the remaining budget. When the pool cannot hold a running request's next
-   tokens, the lowest-priority running request that is not yet scheduled this step is preempted
-   (its blocks freed, its progress reset; it goes back to the waiting queue and recomputes later).
+   tokens, the running request last in policy order that is not yet scheduled this step is
+   preempted (under ``deadline``: the lowest priority, then the latest deadline); its blocks are
+   freed, its progress reset, and it goes back to the waiting queue and recomputes later.
 2. Then waiting requests, in policy order, while the budget, ``max_num_seqs`` and the blocks allow,
-   each admitted with its prefix-cache hit and leaving a watermark of free blocks while others
-   run. Admission stops at the first request that does not fit (no overtaking, so no
+   each admitted with its prefix-cache hit and leaving the adaptive watermark's reserve of free
+   blocks while others run. Admission stops at the first request that does not fit (no overtaking, so no
    starvation), and is skipped entirely in a step that had to preempt.
 3. A waiting request whose next uncached block is one that an admitted request is still
    computing (same hash: the same tokens behind the same prefix) waits, and the requests behind
