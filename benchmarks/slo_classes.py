@@ -1,0 +1,238 @@
+"""Two latency classes under overload: the tight class's time to first token under FCFS and
+under the deadline policy, at the throughput each reaches.
+
+    python -m benchmarks.slo_classes --rate 8 --duration 15
+
+Offline, in one process: an ``LLMEngine`` (no HTTP, no Ray), fed an open-loop arrival trace in
+wall-clock time, so that the queue in front of the engine is the only one measured. The trace
+is Poisson arrivals at ``--rate`` requests per second for ``--duration`` seconds, drawn once
+from ``--seed`` and replayed identically under each policy:
+
+* tight (``--tight-share`` of requests): a short prompt, few output tokens, ``deadline_ms``;
+* loose: a longer prompt, more output tokens, no deadline.
+
+The rate is meant to exceed what the engine serves (``--max-num-seqs`` caps the running batch),
+so a queue builds up. Every request is served to completion (nothing is rejected), and TTFT is
+measured from each request's arrival in the trace, waiting included. Throughput is the output
+tokens of all requests divided by the time from the first arrival to the last token. Each
+policy's engine is warmed up (``engine.warmup``) before its trace starts. With ``--repeat N``
+the policies take turns N times (so that a noisy neighbour hits both alike) and each figure is
+the median over the N runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from benchmarks.offline import parse_engine_opts
+from engine import LLM, SamplingParams
+from engine.warmup import warm_up
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at_s: float
+    cls: str
+    prompt: list[int]
+    max_tokens: int
+    deadline_ms: float | None
+
+
+@dataclass
+class ClassResult:
+    requests: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    missed_deadline: int
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    output_tokens: int
+    seconds: float
+    throughput_tok_s: float
+    classes: dict[str, ClassResult]
+
+
+def make_trace(args: argparse.Namespace) -> list[Arrival]:
+    rng = random.Random(args.seed)
+    trace, t = [], 0.0
+    while True:
+        t += rng.expovariate(args.rate)
+        if t >= args.duration:
+            return trace
+        tight = rng.random() < args.tight_share
+        n_prompt = args.tight_prompt if tight else args.loose_prompt
+        trace.append(
+            Arrival(
+                at_s=t,
+                cls="tight" if tight else "loose",
+                # Mapped onto the model's vocabulary when replayed (``token_ids``).
+                prompt=[rng.randrange(1 << 30) for _ in range(n_prompt)],
+                max_tokens=args.tight_output if tight else args.loose_output,
+                deadline_ms=args.deadline_ms if tight else None,
+            )
+        )
+
+
+def token_ids(raw: list[int], vocab: int) -> list[int]:
+    """Raw draws as ordinary token ids of a ``vocab``-sized vocabulary (clear of the low ids
+    tokenizers keep for special tokens)."""
+    low = min(100, vocab // 2)
+    return [low + t % (vocab - low) for t in raw]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+def run(policy: str, trace: list[Arrival], args: argparse.Namespace) -> PolicyResult:
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        scheduling_policy=policy,
+        max_num_seqs=args.max_num_seqs,
+        **parse_engine_opts(args.engine_opt),
+    )
+    engine = llm.engine
+    vocab = engine.model_cfg.vocab_size
+    warm_up(engine)
+    start = time.monotonic()
+    first_token: dict[str, float] = {}
+    tokens = 0
+    i = 0
+    while i < len(trace) or engine.has_unfinished_requests():
+        now = time.monotonic()
+        while i < len(trace) and start + trace[i].at_s <= now:
+            a = trace[i]
+            params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
+            engine.add_request(
+                str(i),
+                token_ids(a.prompt, vocab),
+                params,
+                arrival_time=start + a.at_s,
+                deadline_ms=a.deadline_ms,
+            )
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, start + trace[i].at_s - time.monotonic()))
+            continue
+        deltas = engine.step()
+        done_at = time.monotonic()
+        for d in deltas:
+            tokens += len(d.new_token_ids)
+            first_token.setdefault(d.request_id, done_at)
+    seconds = time.monotonic() - start - trace[0].at_s
+    classes = {}
+    for cls in ("tight", "loose"):
+        ids = [k for k, a in enumerate(trace) if a.cls == cls]
+        if not ids:
+            continue
+        ttft = [(first_token[str(k)] - start - trace[k].at_s) * 1000 for k in ids]
+        missed = sum(
+            1
+            for k, t in zip(ids, ttft, strict=True)
+            if trace[k].deadline_ms is not None and t > trace[k].deadline_ms
+        )
+        classes[cls] = ClassResult(len(ids), percentile(ttft, 50), percentile(ttft, 99), missed)
+    return PolicyResult(policy, tokens, seconds, tokens / seconds, classes)
+
+
+def median_result(runs: list[PolicyResult]) -> PolicyResult:
+    """Each figure's median over runs of one policy on one trace."""
+
+    def med(values: list[float]) -> float:
+        return statistics.median(values)
+
+    classes = {
+        cls: ClassResult(
+            runs[0].classes[cls].requests,
+            med([r.classes[cls].ttft_p50_ms for r in runs]),
+            med([r.classes[cls].ttft_p99_ms for r in runs]),
+            round(med([r.classes[cls].missed_deadline for r in runs])),
+        )
+        for cls in runs[0].classes
+    }
+    seconds = med([r.seconds for r in runs])
+    return PolicyResult(
+        runs[0].policy,
+        runs[0].output_tokens,
+        seconds,
+        med([r.throughput_tok_s for r in runs]),
+        classes,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--rate", type=float, default=8.0, help="arrivals per second")
+    ap.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--tight-share", type=float, default=0.25)
+    ap.add_argument("--tight-prompt", type=int, default=64)
+    ap.add_argument("--tight-output", type=int, default=16)
+    ap.add_argument("--loose-prompt", type=int, default=256)
+    ap.add_argument("--loose-output", type=int, default=64)
+    ap.add_argument("--deadline-ms", type=float, default=1000.0)
+    ap.add_argument("--policies", default="fcfs,deadline")
+    ap.add_argument("--repeat", type=int, default=1, help="turns per policy (medians)")
+    ap.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON too")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    trace = make_trace(args)
+    if not trace:
+        raise SystemExit("no arrivals: raise --rate or --duration")
+    n_tight = sum(a.cls == "tight" for a in trace)
+    print(
+        f"{len(trace)} requests over {args.duration:g} s ({n_tight} tight: "
+        f"{args.tight_prompt} in / {args.tight_output} out, deadline {args.deadline_ms:g} ms; "
+        f"{len(trace) - n_tight} loose: {args.loose_prompt} in / {args.loose_output} out), "
+        f"max_num_seqs {args.max_num_seqs}, {torch.get_num_threads()} threads"
+    )
+    policies = args.policies.split(",")
+    runs: dict[str, list[PolicyResult]] = {p: [] for p in policies}
+    for _ in range(args.repeat):
+        for p in policies:
+            runs[p].append(run(p, trace, args))
+    results = [median_result(runs[p]) for p in policies]
+    print(
+        f"{'policy':<10} {'tok/s':>7} {'tight p50':>10} {'tight p99':>10} {'missed':>7} "
+        f"{'loose p50':>10} {'loose p99':>10}"
+    )
+    for r in results:
+        t, lo = r.classes.get("tight"), r.classes.get("loose")
+        print(
+            f"{r.policy:<10} {r.throughput_tok_s:>7.1f} "
+            f"{t.ttft_p50_ms if t else 0:>8.0f}ms {t.ttft_p99_ms if t else 0:>8.0f}ms "
+            f"{t.missed_deadline if t else 0:>7} "
+            f"{lo.ttft_p50_ms if lo else 0:>8.0f}ms {lo.ttft_p99_ms if lo else 0:>8.0f}ms"
+        )
+    if len(results) == 2 and all("tight" in r.classes for r in results):
+        base, new = results
+        print(
+            f"tight TTFT p99: {base.classes['tight'].ttft_p99_ms / new.classes['tight'].ttft_p99_ms:.1f}x "
+            f"better under {new.policy} than {base.policy}; throughput "
+            f"{new.throughput_tok_s / base.throughput_tok_s:.2f}x"
+        )
+    if args.json:
+        print(json.dumps([asdict(r) for r in results]))
+
+
+if __name__ == "__main__":
+    main()
