@@ -1,4 +1,4 @@
-"""benchmarks.slo_classes: the trace it replays and a whole (tiny) run."""
+"""benchmarks.slo_classes (the trace it replays and a whole tiny run) and benchmarks.warmup."""
 
 from __future__ import annotations
 
@@ -63,3 +63,13 @@ def test_a_tiny_run_serves_every_request_under_both_policies(tiny_llama: Path, c
     # Every request ran to its max_tokens: the same output under both policies.
     assert results[0]["output_tokens"] == results[1]["output_tokens"]
     assert "tight TTFT p99" in out
+
+
+def test_warmup_benchmark_times_the_first_requests(tiny_llama: Path, capsys) -> None:
+    from benchmarks.warmup import main as warmup_main
+
+    warmup_main(["--model", str(tiny_llama), "--dtype", "float32", "--requests", "3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("without warm-up") and "warm-up       0 ms" in lines[0]
+    assert lines[2].startswith("with warm-up") and "warm-up       0 ms" not in lines[2]
+    assert all(len(line.split(":")[1].split()) == 3 for line in (lines[1], lines[3]))
