@@ -10,8 +10,9 @@ Each class is a small request set pushed through ``LLMEngine.step`` to completio
 
 * ``prefill_long``: one prompt long enough for the multi-row paths (oneDNN, SDPA or the tile
   kernel), then ``decode_1``: its batch-1 decode steps (the native forward where it applies);
-* ``prefill_prefix_hit`` and ``decode_batch``: several prompts behind the first one's prefix
-  (prefill over cached context, short chunks), decoding together, sampled with seeds;
+* ``prefill_prefix_hit`` and ``decode_batch``: up to ``max_num_seqs`` prompts behind the first
+  one's prefix (two compute a chunk over the cached context, the rest one token, which keeps the
+  warm-up short), decoding together (the largest decode batch), sampled with seeds;
 * ``mixed``: a prefill chunk and decodes in one step.
 
 Afterwards nothing of it remains: every block is free, the prefix cache and its events are
@@ -36,10 +37,9 @@ SHAPE_CLASSES = (
     "decode_batch",
     "mixed",
 )
-# Tokens of the long prompt (capped by the engine's limits).
+# Tokens of the long prompt, and of the cached prefix the batch's prompts share (with prefix
+# caching); capped by the engine's limits.
 LONG_PROMPT_TOKENS = 256
-# Sequences decoding together in ``decode_batch``.
-BATCH_SEQS = 8
 MAX_STEPS = 10_000
 
 
@@ -70,23 +70,29 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
     cfg = engine.config
     hook, engine.on_prefill_done = engine.on_prefill_done, None
     # Room to generate within max_model_len and the pool, and one chunk per prefill.
+    bs = cfg.block_size
     long_len = max(
         2,
         min(
             LONG_PROMPT_TOKENS,
             cfg.max_num_batched_tokens,
             engine.max_model_len - 8,
-            (engine.num_blocks // 2) * cfg.block_size - 8,
+            (engine.num_blocks // 2) * bs - 8,
         ),
     )
     greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     long_prompt = _tokens(long_len, 1, vocab)
     try:
         _run(engine, report, ["prefill_long", "decode_1"], [long_prompt], greedy)
-        n = max(1, min(BATCH_SEQS, cfg.max_num_seqs))
-        prefix = long_prompt[: max(1, long_len - cfg.block_size)]
-        suffix_len = max(1, min(cfg.block_size, long_len - len(prefix)))
-        batch = [prefix + _tokens(suffix_len, 100 + i, vocab) for i in range(n)]
+        # Without prefix caching nothing is shared: every prompt is short.
+        prefix_len = (long_len - 1) // bs * bs if cfg.enable_prefix_caching else 0
+        prefix = long_prompt[:prefix_len]
+        # Each sequence's own blocks (suffix and outputs), within half of the pool.
+        own_blocks = -(-(bs + 3) // bs) + 1
+        n = max(1, min(cfg.max_num_seqs, (engine.num_blocks // 2) // own_blocks))
+        batch = [
+            prefix + _tokens(bs if i < 2 or not prefix else 1, 100 + i, vocab) for i in range(n)
+        ]
         sampled = [SamplingParams(max_tokens=3, temperature=1.0, seed=i) for i in range(n)]
         _run(engine, report, ["prefill_prefix_hit", "decode_batch"], batch, sampled)
         _run_mixed(engine, report, _tokens(min(8, long_len), 500, vocab), greedy)
