@@ -36,7 +36,7 @@ from deployments.engine_request import EngineError, EngineRequest, StreamItem, e
 from deployments.fault_injection import install_stall_hook
 from deployments.kv_sharing import KVSharing
 from deployments.metrics import ReplicaMetrics
-from deployments.replica_report import ReplicaReporter, call, detached
+from deployments.replica_report import ReplicaReporter, detached
 from engine.async_engine import AsyncEngine, EngineDeadError, build_on_own_thread
 from engine.block_hash import BlockHash, compute_block_hashes
 from engine.llm_engine import LLMEngine
@@ -361,8 +361,8 @@ class EngineReplica:
     async def kv_directory_stats(self) -> dict[str, Any]:
         if self.kv_sharing is None:
             return {}
-        directory = self.kv_sharing.directory
-        return await detached(call(lambda: directory.stats.remote()))
+        sharing = self.kv_sharing
+        return await detached(sharing.call_directory(lambda d: d.stats.remote()))
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

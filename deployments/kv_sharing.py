@@ -146,7 +146,7 @@ class KVSharing(KVConnector):
         )
         self.engine.kv_connector = self
 
-    async def _call(self, method: Callable[[Any], Awaitable[Any]]) -> Any:
+    async def call_directory(self, method: Callable[[Any], Awaitable[Any]]) -> Any:
         """A directory call; a failure resets the handle (the actor may have been recreated)."""
         try:
             return await method(self.directory)
@@ -155,7 +155,7 @@ class KVSharing(KVConnector):
             raise
 
     async def heartbeat(self) -> None:
-        await self._call(lambda d: d.heartbeat.remote(self.replica_id))
+        await self.call_directory(lambda d: d.heartbeat.remote(self.replica_id))
 
     # -- publishing ------------------------------------------------------------------------------
     def on_prompt_computed(self, request: Request) -> None:
@@ -186,7 +186,7 @@ class KVSharing(KVConnector):
             await asyncio.sleep(0.05)
 
     async def _publish(self, hashes: list[BlockHash]) -> None:
-        known = await self._call(lambda d: d.contains.remote(hashes))
+        known = await self.call_directory(lambda d: d.contains.remote(hashes))
         todo = hashes[known:]
         if len(todo) < self.args.min_blocks:
             return
@@ -199,7 +199,7 @@ class KVSharing(KVConnector):
                 return
             ref = await asyncio.to_thread(ray.put, arr)
             block_nbytes = arr.nbytes // len(found)
-            added = await self._call(
+            added = await self.call_directory(
                 lambda d, found=found, ref=ref, n=block_nbytes: d.publish.remote(
                     self.replica_id, found, [ref], n, self.layout
                 )
@@ -241,7 +241,7 @@ class KVSharing(KVConnector):
         timeout = self.args.fetch_timeout_s
         try:
             found: list[Located] = await asyncio.wait_for(
-                self._call(lambda d: d.lookup.remote(wanted)), timeout
+                self.call_directory(lambda d: d.lookup.remote(wanted)), timeout
             )
         except Exception as e:  # noqa: BLE001 - no directory, no import
             logger.info("KV directory lookup failed (%r); recomputing", e)
@@ -283,7 +283,7 @@ class KVSharing(KVConnector):
         if lost:
             # Only what failed: the owner may well be alive (the directory's heartbeats decide).
             with contextlib.suppress(Exception):
-                await self._call(lambda d: d.drop_objects.remote(lost))
+                await self.call_directory(lambda d: d.drop_objects.remote(lost))
         hashes: list[BlockHash] = []
         chunks: list[np.ndarray] = []
         i = 0
