@@ -107,7 +107,6 @@ class EngineReplica:
         self.admitted_peak_gauge.labels(replica=self.replica_id).set(0)
         self.rejected.labels(replica=self.replica_id)
         self.coalesce_s = self.args.stream_interval_ms / 1000.0
-        self._routing_stats: dict[str, Any] = self._routing_snapshot(self.engine)
         self.kv_sharing: KVSharing | None = None
         if self.args.kv_sharing.enabled:
             # Before the engine thread starts: it becomes the engine's KV connector.
@@ -118,6 +117,7 @@ class EngineReplica:
                 _LazyActor(KV_DIRECTORY_ACTOR),
                 self.metrics,
             )
+        self._routing_stats: dict[str, Any] = self._routing_snapshot(self.engine)
         self.async_engine.start()
         sharing = self.kv_sharing
         self.reporter = ReplicaReporter(
@@ -321,6 +321,9 @@ class EngineReplica:
             "kv_total_blocks": engine.kv.pool.num_blocks,
             "cached_block_hashes": engine.kv.pool.cached_hashes(),
             "reported_at": time.time(),
+            "transfer_cost_ratio": None
+            if self.kv_sharing is None
+            else self.kv_sharing.transfer_cost_ratio(),
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:

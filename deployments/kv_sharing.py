@@ -30,6 +30,7 @@ import contextlib
 import contextvars
 import logging
 import threading
+import time
 import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -119,6 +120,8 @@ class KVSharing(KVConnector):
         # Fetches in flight or recently done, by the first block they import.
         self._fetches: dict[BlockHash, asyncio.Task[Fetched | None]] = {}
         self.fetch_bytes = 0
+        # Seconds per block of recent fetches (a moving average; None: none yet).
+        self.import_s_per_block: float | None = None
 
         def counter(name: str, doc: str) -> Any:
             return metrics.counter(name, doc).labels(replica=replica_id)
@@ -270,8 +273,11 @@ class KVSharing(KVConnector):
         for loc in run:
             refs.setdefault(loc.object_id, loc.ref[0])
         self.fetches.inc()
+        started = time.perf_counter()
         tasks = {oid: asyncio.ensure_future(_await(ref)) for oid, ref in refs.items()}
         _, pending = await asyncio.wait(tasks.values(), timeout=self.args.fetch_timeout_s)
+        if not pending:
+            self._observe_fetch(time.perf_counter() - started, len(run))
         for t in pending:
             t.cancel()
         lost = [oid for oid, t in tasks.items() if t.done() and not t.cancelled() and t.exception()]
@@ -306,6 +312,19 @@ class KVSharing(KVConnector):
             return None
         nbytes = sum(c.nbytes for c in chunks)
         return Fetched(start, hashes, chunks, self.layout, nbytes)
+
+    def _observe_fetch(self, seconds: float, blocks: int) -> None:
+        sample = seconds / blocks
+        prev = self.import_s_per_block
+        self.import_s_per_block = sample if prev is None else prev + 0.2 * (sample - prev)
+
+    def transfer_cost_ratio(self) -> float | None:
+        """Seconds to import a block over seconds to prefill one, both as measured here (None
+        until both have been): what the router prices a directory hit at."""
+        prefill = self.engine.stats.prefill_s_per_token
+        if self.import_s_per_block is None or not prefill:
+            return None
+        return self.import_s_per_block / (prefill * self.block_size)
 
     def load(self, request: Request, num_local_blocks: int) -> KVBlocks | None:
         """Engine thread: the request's fetched blocks after its ``num_local_blocks``."""

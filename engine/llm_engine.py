@@ -42,6 +42,11 @@ from engine.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
+# Steps with at least this many prompt tokens time the prefill speed (KV sharing's cost model).
+PREFILL_SAMPLE_MIN_TOKENS = 64
+EWMA_WEIGHT = 0.2
+
+
 @dataclass
 class EngineStats:
     """Cumulative counters and current gauges, read by the metrics exporter."""
@@ -58,6 +63,13 @@ class EngineStats:
     kv_usage: float = 0.0
     num_free_blocks: int = 0
     num_blocks: int = 0
+    # Seconds per prompt token of recent prefill-heavy steps (a moving average; None: none yet).
+    prefill_s_per_token: float | None = None
+
+    def observe_prefill(self, seconds: float, tokens: int) -> None:
+        sample = seconds / tokens
+        prev = self.prefill_s_per_token
+        self.prefill_s_per_token = sample if prev is None else prev + EWMA_WEIGHT * (sample - prev)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -352,7 +364,12 @@ class LLMEngine:
             self.stats.cache_hit_tokens_local += request.num_cached_tokens - remote
             self.stats.cache_hit_tokens_remote += remote
         seqs = [ScheduledSeq(r, n, self.kv.block_ids(r.request_id)) for r, n in out.scheduled]
+        started = time.perf_counter()
         step = self.runner.execute(seqs)
+        prefill_tokens = sum(n for _, n in out.scheduled if n > 1)
+        if prefill_tokens >= PREFILL_SAMPLE_MIN_TOKENS:
+            # Decodes sharing the step are few rows next to a chunk of this size.
+            self.stats.observe_prefill(time.perf_counter() - started, prefill_tokens)
         sampled, result = step.sampled, step.sampler
         for request, entries in step.prompt_logprobs:
             request.prompt_logprobs.extend(entries)
