@@ -60,7 +60,7 @@ class LocalBackend:
         return LocalStream(self.replica.generate(req))
 
     async def kv_namespace(self) -> str | None:
-        return self.replica.engine.kv_namespace
+        return self.replica.kv_namespace()
 
 
 app, OpenAIRoutes = openai_routes()
