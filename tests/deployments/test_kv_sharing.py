@@ -198,7 +198,8 @@ def test_rolling_update_to_another_dtype_never_imports_old_kv(
     from engine import LLM, SamplingParams
 
     args = {**_args(tiny_llama_with_tokenizer), "kv_hash_key": "a-fixed-key-for-both-deploys"}
-    deploy(serve_instance, args, name=APP)
+    # One replica is enough: the new one finds the old one's blocks in the directory or not.
+    deploy(serve_instance, args, name=APP, num_replicas=1)
     try:
         rng = random.Random(9)
         prompt = [rng.randrange(100, 40000) for _ in range(600)]
@@ -206,7 +207,7 @@ def test_rolling_update_to_another_dtype_never_imports_old_kv(
         _wait_published(min_entries=37)
 
         args["engine"] = {**args["engine"], "dtype": "bfloat16"}
-        deploy(serve_instance, args, name=APP)
+        deploy(serve_instance, args, name=APP, num_replicas=1)
         after = _complete(serve_instance, prompt)
         assert after.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         expected = LLM(
