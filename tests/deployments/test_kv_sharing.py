@@ -205,9 +205,15 @@ def test_rolling_update_to_another_dtype_never_imports_old_kv(
         prompt = [rng.randrange(100, 40000) for _ in range(600)]
         _complete(serve_instance, prompt)
         _wait_published(min_entries=37)
+        handle = serve.get_deployment_handle("Engine", APP)
+        before = handle.kv_namespace.remote().result()
+        assert "dtype=float32" in before
 
         args["engine"] = {**args["engine"], "dtype": "bfloat16"}
         deploy(serve_instance, args, name=APP, num_replicas=1)
+        # Another namespace: no block hash of the new replica can name an old block.
+        after_ns = serve.get_deployment_handle("Engine", APP).kv_namespace.remote().result()
+        assert after_ns != before and "dtype=bfloat16" in after_ns
         after = _complete(serve_instance, prompt)
         assert after.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         expected = LLM(
