@@ -15,13 +15,13 @@ from typing import Any
 import torch
 
 from engine.allocator import keep_freed_memory
-from engine.attention.base import select_backend
+from engine.attention.base import backend_for_model, select_backend
 from engine.block_hash import salted
 from engine.config import EngineConfig
 from engine.cpuinfo import cpu_has_bf16
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.model.config import model_config_from_hf, rope_cos_sin, rope_inv_freq
+from engine.model.config import model_config_from_hf, rope_tables
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import (
     load_hf_config,
@@ -126,12 +126,20 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.hash_salt = config.hash_salt if config.hash_salt is not None else config.model
 
-        backend = select_backend(config.attention_backend, self.device, self.dtype)
+        chosen = select_backend(config.attention_backend, self.device, self.dtype)
+        cfg = self.model_cfg
+        needs_window = any(cfg.layer_window(i) for i in range(cfg.num_layers))
+        backend = backend_for_model(chosen, needs_window, cfg.attn_softcap is not None)
+        if backend is not chosen:
+            logger.info(
+                "attention: %s takes the torch backend (%s has no sliding window or "
+                "soft-capping)",
+                cfg.model_type,
+                chosen.name,
+            )
         model = LlamaForCausalLM(self.model_cfg, backend, self.dtype)
         model.load_hf_weights(load_safetensors(self.model_dir))
-        inv_freq, scaling = rope_inv_freq(hf_config, self.model_cfg.head_dim)
-        cos, sin = rope_cos_sin(inv_freq, scaling, self.max_model_len)
-        model.set_rope_tables(cos, sin)
+        model.set_rope_tables(*rope_tables(hf_config, self.model_cfg, self.max_model_len))
         model.to(self.device)
         if config.prepack_weights:
             model.prepack_linear_weights()
@@ -159,10 +167,12 @@ class LLMEngine:
         self.on_prefill_done: Callable[[Request], None] | None = None
         self._update_gauges()
         logger.info(
-            "engine ready: %s (%s, %s, attention=%s), %d KV blocks of %d tokens",
+            "engine ready: %s (%s %s, %s, forward=%s, attention=%s), %d KV blocks of %d tokens",
             self.model_dir,
+            self.model_cfg.model_type,
             self.device,
             self.dtype,
+            self.model.forward_path(),
             backend.name,
             num_blocks,
             config.block_size,

@@ -27,7 +27,8 @@ def make_tiny_llama(
 
     Weights are drawn with a large init range so that logits are well separated: greedy decoding
     then does not hinge on float rounding differences between implementations. Biases (which
-    transformers initialises to zero) are drawn too, so that a model that ignores them differs.
+    transformers initialises to zero) and norm weights (to one or zero) are drawn too, so that a
+    model that ignores them differs. ``model_type`` may name any family the engine supports.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -53,6 +54,10 @@ def make_tiny_llama(
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.2)
+            elif "norm" in name:
+                # Norm weights start at 1 (or 0 where the norm scales by 1 + w): move them, so
+                # that a model that skips or misplaces a norm differs.
+                param.add_(torch.randn_like(param), alpha=0.2)
     model.save_pretrained(path)
     if tokenizer_from is not None:
         from transformers import AutoTokenizer
