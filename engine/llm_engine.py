@@ -132,8 +132,7 @@ class LLMEngine:
         backend = backend_for_model(chosen, needs_window, cfg.attn_softcap is not None)
         if backend is not chosen:
             logger.info(
-                "attention: %s takes the torch backend (%s has no sliding window or "
-                "soft-capping)",
+                "attention: %s takes the torch backend (%s has no sliding window or soft-capping)",
                 cfg.model_type,
                 chosen.name,
             )

@@ -180,7 +180,9 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(cfg.embed_scale, dtype=dtype)
         tables = {False: self._rope_rows(self.rope_cos, self.rope_sin, positions, dtype)}
         if cfg.local_rope:
-            tables[True] = self._rope_rows(self.local_rope_cos, self.local_rope_sin, positions, dtype)
+            tables[True] = self._rope_rows(
+                self.local_rope_cos, self.local_rope_sin, positions, dtype
+            )
         t = x.shape[0]
 
         def norm(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -315,6 +317,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm.copy_(take("model.norm.weight"))
         if not cfg.tie_word_embeddings:
             self.lm_head.copy_(take("lm_head.weight"))
+
         def fused_or_cat(fused_name: str, parts: list[str]) -> torch.Tensor:
             if fused_name in weights:
                 return weights[fused_name]
