@@ -94,3 +94,45 @@ def hf_greedy(
             )
             outs.append(gen[0, len(p) :].tolist())
     return outs
+
+
+# Tiny configs of the families beyond Llama, shaped like the real ones where it matters: Qwen3's
+# head_dim differs from hidden / heads; Phi-4-mini rotates 3/4 of each head with longrope;
+# Gemma's windows (16) are shorter than the prompts, and Gemma 3's global layers scale RoPE.
+TINY_FAMILIES: dict[str, dict[str, object]] = {
+    "qwen3": {"model_type": "qwen3", "head_dim": 32},
+    "phi3": {"model_type": "phi3"},
+    "phi4-mini": {
+        "model_type": "phi3",
+        "partial_rotary_factor": 0.75,
+        "tie_word_embeddings": True,
+        "original_max_position_embeddings": 64,
+        "rope_scaling": {
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.1, 1.3, 1.7, 2.0, 3.0],
+            "long_factor": [1.0, 1.5, 2.0, 4.0, 6.0, 9.0],
+        },
+    },
+    "gemma2": {
+        "model_type": "gemma2",
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 16,
+    },
+    "gemma3": {
+        "model_type": "gemma3_text",
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    },
+}
+
+
+def make_tiny_family(path: Path, family: str, seed: int = 3, **overrides: object) -> Path:
+    """A tiny random checkpoint of one of ``TINY_FAMILIES``."""
+    return make_tiny_llama(path, seed=seed, **{**TINY_FAMILIES[family], **overrides})
