@@ -113,3 +113,26 @@ def test_phi4_mini_short_factors_within_the_pretraining_length(tmp_path):
     reference = hf_greedy(model_dir, prompts, MAX_NEW)
     llm = LLM(model=str(model_dir), dtype="float32", max_model_len=64, max_num_batched_tokens=16)
     assert [o.token_ids for o in llm.generate(prompts, greedy())] == reference
+
+
+def test_prompt_logprobs_match_transformers_logits(case):
+    """Every prompt token's logprob and top 3 against log_softmax of transformers' logits: the
+    numerics behind greedy order, and Gemma 2's final soft-capping (which keeps the argmax)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _, model_dir, _, _ = case
+    prompt = random_prompts(7, [90])[0]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    llm = LLM(model=str(model_dir), dtype="float32", max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3)
+    got = llm.generate([prompt], params)[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(prompt)
+    for i in range(1, len(prompt)):
+        assert got[i].token_id == prompt[i]
+        assert got[i].logprob == pytest.approx(float(ref[i - 1, prompt[i]]), abs=1e-4)
+        top_vals, top_ids = ref[i - 1].topk(3)
+        assert [t for t, _ in got[i].top] == top_ids.tolist()
+        assert [v for _, v in got[i].top] == pytest.approx(top_vals.tolist(), abs=1e-4)
