@@ -4,6 +4,7 @@ attention backend that applies."""
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -136,3 +137,16 @@ def test_prompt_logprobs_match_transformers_logits(case):
         top_vals, top_ids = ref[i - 1].topk(3)
         assert [t for t, _ in got[i].top] == top_ids.tolist()
         assert [v for _, v in got[i].top] == pytest.approx(top_vals.tolist(), abs=1e-4)
+
+
+def test_start_up_logs_the_path_taken(case, caplog):
+    name, model_dir, _, _ = case
+    path, needs_torch = EXPECTED_PATH[name]
+    # Without the native kernels every model takes the reference forward and torch attention.
+    fast = native.available()
+    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+        LLM(model=str(model_dir), dtype="float32", num_kv_blocks=16)
+    ready = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
+    assert len(ready) == 1 and f"forward={path if fast else 'reference'}," in ready[0]
+    assert f"attention={'cpu' if fast and not needs_torch else 'torch'})" in ready[0]
+    assert ("takes the torch backend" in caplog.text) == (fast and needs_torch)

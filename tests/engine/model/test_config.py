@@ -92,3 +92,74 @@ def test_linear_rope_scaling_divides_the_frequencies():
     assert torch.allclose(linear, plain / 4)
     legacy, _ = rope_inv_freq(hf(rope_scaling={"type": "linear", "factor": 4.0}), 16)
     assert torch.allclose(legacy, linear)
+
+
+GEMMA = dict(BASE, head_dim=16, query_pre_attn_scalar=32, sliding_window=8)
+
+
+def test_gemma2_options():
+    cfg = model_config_from_hf(AutoConfig.for_model("gemma2", **GEMMA))
+    assert cfg.gemma_norm and cfg.sandwich_norm and not cfg.qk_norm and not cfg.local_rope
+    assert cfg.embed_scale == pytest.approx(8.0) and cfg.hidden_act == "gelu_pytorch_tanh"
+    assert cfg.attention_scale == pytest.approx(32**-0.5)
+    assert (cfg.attn_softcap, cfg.final_softcap) == (50.0, 30.0)
+    # Sliding and global layers alternate, the first sliding; windows do not cap the context.
+    assert [cfg.layer_window(i) for i in range(2)] == [8, None]
+    assert cfg.max_position_embeddings == 512
+    assert not cfg.is_plain_llama
+
+
+def test_gemma3_options_and_local_rope_tables():
+    from engine.model.config import rope_tables
+
+    hf_config = AutoConfig.for_model(
+        "gemma3_text", **GEMMA, layer_types=["sliding_attention", "full_attention"]
+    )
+    cfg = model_config_from_hf(hf_config)
+    assert cfg.qk_norm and cfg.local_rope and cfg.attn_softcap is None
+    cos, sin, local = rope_tables(hf_config, cfg, 64)
+    global_freq, _ = rope_inv_freq(hf_config, 16, "full_attention")
+    local_freq, _ = rope_inv_freq(hf_config, 16, "sliding_attention")
+    # Gemma 3's defaults: base 1e6 for global layers, 1e4 for sliding ones.
+    assert global_freq.tolist() == pytest.approx([1e6 ** (-i / 16) for i in range(0, 16, 2)])
+    assert local_freq.tolist() == pytest.approx([1e4 ** (-i / 16) for i in range(0, 16, 2)])
+    assert torch.allclose(local[0], rope_cos_sin(local_freq, 1.0, 64)[0])
+    assert not torch.allclose(cos, local[0])
+
+
+def test_qwen3_and_phi3_options():
+    qwen3 = model_config_from_hf(hf("qwen3", head_dim=32))
+    assert qwen3.qk_norm and qwen3.q_size == 128 and qwen3.is_plain_llama
+    assert not qwen3.qkv_bias
+    phi = model_config_from_hf(hf("phi3", partial_rotary_factor=0.75))
+    assert (phi.head_dim, phi.rope_dim) == (16, 12) and not phi.is_plain_llama
+    assert model_config_from_hf(hf("phi3")).is_plain_llama
+
+
+@pytest.mark.parametrize(
+    "overrides, what",
+    [
+        pytest.param({"hidden_activation": "relu"}, "activation", id="activation"),
+        pytest.param({"use_bidirectional_attention": True}, "bidirectional", id="bidirectional"),
+    ],
+)
+def test_unsupported_gemma_configs_raise(overrides, what):
+    with pytest.raises(ValueError, match=f"^model:.*{what}"):
+        model_config_from_hf(AutoConfig.for_model("gemma3_text", **{**GEMMA, **overrides}))
+
+
+def test_windowed_or_capped_models_take_the_torch_backend():
+    from engine.attention.base import backend_for_model
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    torch_backend = TorchAttentionBackend()
+    assert backend_for_model(torch_backend, True, True) is torch_backend
+
+    class NoOptions(TorchAttentionBackend):
+        name = "no-options"
+        supports_window = supports_softcap = False
+
+    plain = NoOptions()
+    assert backend_for_model(plain, False, False) is plain
+    assert backend_for_model(plain, True, False).name == "torch"
+    assert backend_for_model(plain, False, True).name == "torch"
