@@ -150,3 +150,19 @@ def test_start_up_logs_the_path_taken(case, caplog):
     assert len(ready) == 1 and f"forward={path if fast else 'reference'}," in ready[0]
     assert f"attention={'cpu' if fast and not needs_torch else 'torch'})" in ready[0]
     assert ("takes the torch backend" in caplog.text) == (fast and needs_torch)
+
+
+@pytest.mark.skipif(not native.available(), reason="the fused path needs the native kernels")
+def test_qwen3_fused_path_generates_like_reference_in_bf16(tmp_path):
+    """Qwen3's q/k norms inside the fused path (bf16): the first tokens of the reference ops, as
+    the Llama fused path's own test checks; the native decode stack does not take q/k norms."""
+    model_dir = make_tiny_family(tmp_path, "qwen3")
+    prompts = random_prompts(9, [4, 20, 44])
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(model_dir), dtype="bfloat16", max_num_batched_tokens=16)
+    model = llm.engine.model
+    assert model.native_forward is None and model.forward_path() == "fused"
+    fused_out = [o.token_ids for o in llm.generate(prompts, params)]
+    model.use_fused = False
+    reference = [o.token_ids for o in llm.generate(prompts, params)]
+    assert [o[:6] for o in fused_out] == [o[:6] for o in reference]
