@@ -9,7 +9,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,8 +25,8 @@ from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import (
     load_hf_config,
     load_safetensors,
-    load_tokenizer,
     resolve_model,
+    resolve_tokenizer,
 )
 from engine.model_runner import ModelRunner, ScheduledSeq
 from engine.outputs import RequestDelta
@@ -106,9 +105,7 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         hf_config, generation_config = load_hf_config(self.model_dir)
         self.model_cfg = model_config_from_hf(hf_config, generation_config)
-        self.tokenizer = load_tokenizer(
-            Path(config.tokenizer) if config.tokenizer else self.model_dir
-        )
+        self.tokenizer = resolve_tokenizer(config.tokenizer, self.model_dir)
         eos = set(self.model_cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
