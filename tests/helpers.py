@@ -96,10 +96,20 @@ def hf_greedy(
     return outs
 
 
-# Tiny configs of the families beyond Llama, shaped like the real ones where it matters: Qwen3's
+# Tiny configs of Llama 3.x and the families beyond Llama, shaped like the real ones where it matters: Qwen3's
 # head_dim differs from hidden / heads; Phi-4-mini rotates 3/4 of each head with longrope;
 # Gemma's windows (16) are shorter than the prompts, and Gemma 3's global layers scale RoPE.
 TINY_FAMILIES: dict[str, dict[str, object]] = {
+    # Llama 3.x's RoPE scaling, with prompts that run past its original length (128).
+    "llama3": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+    },
     "qwen3": {"model_type": "qwen3", "head_dim": 32},
     "phi3": {"model_type": "phi3"},
     "phi4-mini": {

@@ -1,4 +1,4 @@
-"""Qwen3, Phi-3 / Phi-4-mini, Gemma 2 and Gemma 3: greedy output token-identical to transformers
+"""Llama 3.x RoPE scaling, Qwen3, Phi-3 / Phi-4-mini, Gemma 2 and Gemma 3: greedy output token-identical to transformers
 (float32) on tiny random checkpoints, through chunked prefill and prefix-cache hits, on every
 attention backend that applies."""
 
@@ -18,6 +18,7 @@ LENGTHS = [1, 5, 16, 17, 33, 64, 100, 150]
 # (family, checkpoint overrides); Gemma 2's caps are lowered from its defaults (50, 30) to where
 # they bend these tiny models' scores and logits.
 CASES = {
+    "llama3": ("llama3", {}),
     "qwen3": ("qwen3", {}),
     "phi3": ("phi3", {}),
     "phi4-mini": ("phi4-mini", {}),
@@ -27,6 +28,7 @@ CASES = {
 # The forward each family takes on CPU in float32 with the native kernels built, and whether
 # its attention needs the torch backend (sliding windows, soft-capping).
 EXPECTED_PATH = {
+    "llama3": ("fused", False),
     "qwen3": ("fused", False),
     "phi3": ("fused", False),
     "phi4-mini": ("reference", False),
