@@ -163,3 +163,88 @@ def test_windowed_or_capped_models_take_the_torch_backend():
     assert backend_for_model(plain, False, False) is plain
     assert backend_for_model(plain, True, False).name == "torch"
     assert backend_for_model(plain, False, True).name == "torch"
+
+
+# Sizes and RoPE settings as the published configs have them (Phi-4-mini: 3/4 of 128 dims with
+# longrope from 4k to 128k; Gemma 3 4B: linear x8 on global layers, base 1e4 on local ones;
+# Llama 3.1 8B: llama3 scaling).
+PUBLISHED_ROPE = {
+    "phi4-mini": (
+        "phi3",
+        dict(
+            hidden_size=3072,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            partial_rotary_factor=0.75,
+            max_position_embeddings=131072,
+            original_max_position_embeddings=4096,
+            rope_theta=10000.0,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0 + 0.02 * i for i in range(48)],
+                "long_factor": [1.0 + 0.75 * i for i in range(48)],
+            },
+        ),
+    ),
+    "gemma3-4b": (
+        "gemma3_text",
+        dict(
+            hidden_size=2560,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            max_position_embeddings=131072,
+            rope_theta=1_000_000.0,
+            rope_local_base_freq=10_000.0,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
+    "llama3.1-8b": (
+        "llama",
+        dict(
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_ROPE))
+def test_rope_tables_match_transformers_rotary_embeddings(name):
+    """Our cos/sin rows against the transformers model's own rotary module at the same
+    positions, for every layer type; longrope past its original length (the long factors)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.model.config import rope_tables
+
+    model_type, sizes = PUBLISHED_ROPE[name]
+    hf_config = AutoConfig.for_model(
+        model_type, **{**BASE, **sizes, "num_hidden_layers": 2, "vocab_size": 8, "pad_token_id": 0}
+    )
+    cfg = model_config_from_hf(hf_config)
+    positions = torch.tensor([0, 1, 7, 100, 4095, 4096, 5000, 20000, 131071])
+    cos, sin, local = rope_tables(hf_config, cfg, 131072)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    rotary_cls = type(skeleton.model.rotary_emb)
+    rotary = rotary_cls(config=hf_config)
+    x = torch.zeros(1, dtype=torch.float32)
+    half = cfg.rope_dim // 2
+    layer_tables = {"full_attention": (cos, sin), "sliding_attention": local}
+    for layer_type in ("full_attention", "sliding_attention") if cfg.local_rope else (None,):
+        kwargs = {"layer_type": layer_type} if layer_type else {}
+        ref_cos, ref_sin = rotary(x, positions[None, :], **kwargs)
+        ours_cos, ours_sin = layer_tables[layer_type or "full_attention"]
+        torch.testing.assert_close(ours_cos[positions], ref_cos[0, :, :half], rtol=0, atol=1e-6)
+        torch.testing.assert_close(ours_sin[positions], ref_sin[0, :, :half], rtol=0, atol=1e-6)
