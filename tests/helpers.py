@@ -21,14 +21,16 @@ def make_tiny_llama(
     seed: int = 0,
     tokenizer_from: Path | None = None,
     model_type: str = "llama",
+    perturb_norms: bool = False,
     **extra: object,
 ) -> Path:
     """Save a random Llama-family checkpoint (config.json + safetensors) to ``path``.
 
     Weights are drawn with a large init range so that logits are well separated: greedy decoding
     then does not hinge on float rounding differences between implementations. Biases (which
-    transformers initialises to zero) and norm weights (to one or zero) are drawn too, so that a
-    model that ignores them differs. ``model_type`` may name any family the engine supports.
+    transformers initialises to zero) are drawn too, so that a model that ignores them differs;
+    with ``perturb_norms`` so are norm weights (initialised to one, or to zero where the norm
+    scales by 1 + w). ``model_type`` may name any family the engine supports.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -54,7 +56,7 @@ def make_tiny_llama(
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.2)
-            elif "norm" in name:
+            elif perturb_norms and "norm" in name:
                 # Norm weights start at 1 (or 0 where the norm scales by 1 + w): move them, so
                 # that a model that skips or misplaces a norm differs.
                 param.add_(torch.randn_like(param), alpha=0.2)
@@ -145,4 +147,6 @@ TINY_FAMILIES: dict[str, dict[str, object]] = {
 
 def make_tiny_family(path: Path, family: str, seed: int = 3, **overrides: object) -> Path:
     """A tiny random checkpoint of one of ``TINY_FAMILIES``."""
-    return make_tiny_llama(path, seed=seed, **{**TINY_FAMILIES[family], **overrides})
+    return make_tiny_llama(
+        path, seed=seed, perturb_norms=True, **{**TINY_FAMILIES[family], **overrides}
+    )
