@@ -77,7 +77,11 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """``q [T, H, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, H, D]``."""
+        """``q [T, H, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, H, D]``. A backend that
+        ``supports_window`` / ``supports_softcap`` also takes ``window=`` (a query at position
+        ``p`` sees keys ``p - window + 1 .. p``) and ``softcap=`` (scores -> ``cap *
+        tanh(scores / cap)`` before the mask); a model passes them only for layers that need
+        them."""
         raise NotImplementedError
 
     def native_step(self, meta: AttentionMetadata) -> tuple[torch.Tensor, ...] | None:
