@@ -113,6 +113,8 @@ class LlamaForCausalLM(nn.Module):
             )
         )
         self.scale = cfg.attention_scale
+        # Whether the fused and native CPU paths cover this model (read on every step).
+        self.plain_llama = cfg.is_plain_llama
         # Keyword options of each layer's attention call beyond a Llama's (sliding window,
         # soft-capping); empty for a Llama, so that every backend serves it.
         self.attn_options: list[dict[str, float | int]] = [
@@ -154,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         """Which forward this model takes on its device and dtype: ``native`` (the whole bf16
         decode stack in one call, where a step qualifies; else ``fused``), ``fused`` (native
         elementwise kernels around the linear layers) or ``reference`` (PyTorch ops)."""
-        if not (self.use_fused and self.cfg.is_plain_llama and fused.enabled(self.embed)):
+        if not (self.use_fused and self.plain_llama and fused.enabled(self.embed)):
             return "reference"
         return "native" if self.native_forward is not None and self.use_native_forward else "fused"
 
