@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine.model.families import SUPPORTED_MODEL_TYPES, family_options
+from engine.model.families import SUPPORTED_MODEL_TYPES, family_options, text_config
 
 # RoPE variants whose frequencies do not depend on the sequence being processed, and longrope,
 # whose factor set is fixed once per engine from its maximum length (see rope_inv_freq).
@@ -130,6 +130,8 @@ def _as_id_set(value: Any) -> set[int]:
 
 
 def model_config_from_hf(hf_config: Any, generation_config: Any = None) -> ModelConfig:
+    outer_eos = getattr(hf_config, "eos_token_id", None)
+    hf_config = text_config(hf_config)
     model_type = getattr(hf_config, "model_type", "")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -160,7 +162,7 @@ def model_config_from_hf(hf_config: Any, generation_config: Any = None) -> Model
         qkv_bias, o_bias = True, False
     else:
         qkv_bias = o_bias = attention_bias
-    eos = _as_id_set(getattr(hf_config, "eos_token_id", None))
+    eos = _as_id_set(getattr(hf_config, "eos_token_id", None)) | _as_id_set(outer_eos)
     if generation_config is not None:
         eos |= _as_id_set(getattr(generation_config, "eos_token_id", None))
     max_pos = int(getattr(hf_config, "max_position_embeddings", 2048))
@@ -226,6 +228,7 @@ def rope_tables(
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """The cos/sin tables of the full-attention layers, and those of the sliding layers where
     they have their own (``cfg.local_rope``), else None."""
+    hf_config = text_config(hf_config)
     inv_freq, scaling = rope_inv_freq(hf_config, cfg.rope_dim, "full_attention", max_positions)
     cos, sin = rope_cos_sin(inv_freq, scaling, max_positions)
     local = None

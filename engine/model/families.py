@@ -12,6 +12,17 @@ from collections.abc import Callable
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+# Vision-language checkpoints whose text decoder is served alone (Gemma 3 4B and up): the
+# config's text part describes it, and its weights carry a prefix.
+MULTIMODAL_MODEL_TYPES = ("gemma3",)
+# Prefixes of the text decoder's weights in such checkpoints: as published, and as transformers
+# 5 saves them; everything else (vision tower, projector) is not read.
+_TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+    ("lm_head.", "lm_head."),
+)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -89,3 +100,25 @@ def checkpoint_names(layer: int, sandwich_norm: bool) -> dict[str, str]:
     else:
         names["post_norm"] = p + "post_attention_layernorm.weight"
     return names
+
+
+def text_config(hf_config: Any) -> Any:
+    """The config of the decoder that the engine runs: a vision-language checkpoint's text part
+    (``MULTIMODAL_MODEL_TYPES``), else ``hf_config`` itself."""
+    if getattr(hf_config, "model_type", "") in MULTIMODAL_MODEL_TYPES:
+        return hf_config.text_config
+    return hf_config
+
+
+def text_weights(weights: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language checkpoint's text decoder weights under the plain decoder's names
+    (``model.layers...``, ``lm_head``); a text checkpoint's weights unchanged."""
+    if not any(k.startswith(("language_model.", "model.language_model.")) for k in weights):
+        return weights
+    out = {}
+    for name, tensor in weights.items():
+        for prefix, plain in _TEXT_PREFIXES:
+            if name.startswith(prefix):
+                out[plain + name[len(prefix) :]] = tensor
+                break
+    return out

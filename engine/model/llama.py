@@ -23,7 +23,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.model import fused
 from engine.model.config import ModelConfig
-from engine.model.families import checkpoint_names
+from engine.model.families import checkpoint_names, text_weights
 from engine.model.linear import PackedWeight, linear, pack_weight, silu_mul_linear
 from engine.model.native_forward import NativeForward
 
@@ -304,6 +304,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy a Hugging Face state dict of a supported family in, fusing q/k/v and gate/up
         (Phi-3's checkpoint has them fused already)."""
         cfg = self.cfg
+        weights = text_weights(weights)
         # Packed copies would go stale: drop them (prepack again after loading).
         self.lm_head_packed = None
         self.native_forward = None

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.attention import native
-from tests.helpers import hf_greedy, make_tiny_family
+from tests.helpers import TINY_FAMILIES, hf_greedy, make_tiny_family
 
 MAX_NEW = 24
 LENGTHS = [1, 5, 16, 17, 33, 64, 100, 150]
@@ -168,3 +169,89 @@ def test_qwen3_fused_path_generates_like_reference_in_bf16(tmp_path):
     model.use_fused = False
     reference = [o.token_ids for o in llm.generate(prompts, params)]
     assert [o[:6] for o in fused_out] == [o[:6] for o in reference]
+
+
+def make_tiny_gemma3_vision_language(path, seed: int = 3):
+    """A tiny Gemma 3 vision-language checkpoint (as Gemma 3 4B and up are published): the
+    tiny Gemma 3 text decoder beside a one-layer SigLIP tower."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    text = {k: v for k, v in TINY_FAMILIES["gemma3"].items() if k != "model_type"}
+    text |= dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = AutoConfig.for_model(
+        "gemma3",
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param), alpha=0.2)
+    model.save_pretrained(path)
+    return path
+
+
+def test_gemma3_vision_language_checkpoint_serves_its_text_decoder(tmp_path):
+    """The text decoder of a vision-language Gemma 3 checkpoint, with its weights named as
+    published (``language_model.model.*``) or as transformers nests them
+    (``model.language_model.*``): transformers' greedy tokens for text prompts."""
+    from safetensors.torch import load_file, save_file
+
+    published = make_tiny_gemma3_vision_language(tmp_path / "published")
+    prompts = random_prompts(12, [5, 40, 100])
+    reference = hf_greedy(published, prompts, 12)
+    assert all(len(set(r)) > 3 for r in reference)
+    nested = tmp_path / "nested"
+    shutil.copytree(published, nested)
+    weights = load_file(nested / "model.safetensors")
+    renames = (
+        ("language_model.model.", "model.language_model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("vision_tower.", "model.vision_tower."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+    )
+    renamed = {}
+    for name, tensor in weights.items():
+        for old, new in renames:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        renamed[name] = tensor
+    assert any(k.startswith("model.language_model.") for k in renamed)
+    save_file(renamed, nested / "model.safetensors", metadata={"format": "pt"})
+    for model_dir in (published, nested):
+        llm = LLM(
+            model=str(model_dir),
+            dtype="float32",
+            block_size=8,
+            num_kv_blocks=64,
+            max_num_batched_tokens=24,
+        )
+        assert llm.engine.model_cfg.model_type == "gemma3_text"
+        assert [o.token_ids for o in llm.generate(prompts, greedy(12))] == reference
