@@ -255,3 +255,20 @@ def test_gemma3_vision_language_checkpoint_serves_its_text_decoder(tmp_path):
         )
         assert llm.engine.model_cfg.model_type == "gemma3_text"
         assert [o.token_ids for o in llm.generate(prompts, greedy(12))] == reference
+
+
+def test_family_matches_transformers_through_preemption(case):
+    """A pool too small for the batch: preempted requests recompute (their prefix may hit the
+    cache) and still produce the reference's tokens."""
+    _, model_dir, prompts, reference = case
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=72,
+        max_num_batched_tokens=64,
+    )
+    assert [o.token_ids for o in llm.generate(prompts, greedy())] == reference
+    assert llm.engine.scheduler.num_preemptions_total > 0, "pool should force preemption"
+    pool = llm.engine.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks
