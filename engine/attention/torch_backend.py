@@ -9,7 +9,8 @@ aligned to the *bottom right* (query ``i`` sees keys ``0 .. ctx - qlen + i``); S
 Sliding-window layers (``window``: a query at position ``p`` sees keys ``p - window + 1 .. p``)
 and tanh soft-capping of the scores (``softcap``) are options of :meth:`forward`; the cache keeps
 every position's K/V either way, so a prefix-cache hit serves windowed layers unchanged, and the
-window only narrows what a query reads. Soft-capping has no SDPA kernel: those layers compute
+window only narrows what a query reads: a windowed layer gathers only the blocks that hold its
+queries' windows. Soft-capping has no SDPA kernel: those layers compute
 the scores explicitly, as transformers' eager attention does.
 """
 
@@ -85,18 +86,28 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _decode_mask(meta: AttentionMetadata, window: int | None) -> torch.Tensor:
-        """``[nd, 1, 1, span]``: the keys each decode sees (the last ``window`` of its
-        context where windowed), made once per step and window."""
+    def _decode_view(
+        meta: AttentionMetadata, window: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decodes' block tables ``[nd, n]`` to gather and the mask ``[nd, 1, 1, n *
+        block_size]`` of the keys each sees, made once per step and window. Windowed: only the
+        blocks that hold a decode's last ``window`` positions, from its own first such block."""
         if window is None:
-            return meta.extra["decode_mask"]
-        key = ("decode_mask", window)
+            return meta.extra["decode_block_tables"], meta.extra["decode_mask"]
+        key = ("decode_window", window)
         if key not in meta.extra:
+            bs = meta.block_size
+            full = meta.extra["decode_block_tables"]
             lens = meta.seq_lens[: meta.num_decodes]
-            span = meta.extra["decode_block_tables"].shape[1] * meta.block_size
-            idx = torch.arange(span, device=lens.device)[None, :]
-            keep = (idx < lens[:, None]) & (idx >= lens[:, None] - window)
-            meta.extra[key] = keep[:, None, None, :]
+            # ``window`` consecutive positions touch at most this many blocks.
+            n = min(full.shape[1], (window - 1) // bs + 2)
+            first = (lens - window).clamp(min=0) // bs
+            blocks = first[:, None] + torch.arange(n, device=lens.device)[None, :]
+            tables = full.gather(1, blocks.clamp(max=full.shape[1] - 1))
+            # Positions from the unclamped block numbers: a clamped repeat lies past the end.
+            pos = (blocks[:, :, None] * bs + torch.arange(bs, device=lens.device)).flatten(1)
+            keep = (pos < lens[:, None]) & (pos >= lens[:, None] - window)
+            meta.extra[key] = (tables, keep[:, None, None, :])
         return meta.extra[key]
 
     def decode_forward(
@@ -115,13 +126,13 @@ class TorchAttentionBackend(AttentionBackend):
         num_heads = q.shape[1]
         group = num_heads // num_kv_heads
         nd = meta.num_decodes
-        tables = meta.extra["decode_block_tables"]
+        tables, mask = self._decode_view(meta, window)
         span = tables.shape[1] * block_size
         flat = tables.reshape(-1)
         kk = k_cache.index_select(0, flat).view(nd, span, num_kv_heads, head_dim).transpose(1, 2)
         vv = v_cache.index_select(0, flat).view(nd, span, num_kv_heads, head_dim).transpose(1, 2)
         qq = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        o = attend(qq, kk, vv, self._decode_mask(meta, window), scale, softcap)
+        o = attend(qq, kk, vv, mask, scale, softcap)
         out[:nd] = o.reshape(nd, num_heads, head_dim)
 
     def prefill_forward(
@@ -163,16 +174,19 @@ class TorchAttentionBackend(AttentionBackend):
         qi = q[start:end].transpose(0, 1).unsqueeze(0)
         if window is not None or softcap is not None:
             nb = -(-ctx // block_size)
-            ids = meta.block_tables[i, :nb]
-            ki = k_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:ctx]
-            vi = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:ctx]
+            # The first key any query of the chunk sees, rounded down to its block.
+            lo = max(0, ctx - qlen - window + 1) // block_size if window is not None else 0
+            base = lo * block_size
+            ids = meta.block_tables[i, lo:nb]
+            ki = k_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[: ctx - base]
+            vi = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[: ctx - base]
             group = q.shape[1] // num_kv_heads
             # Query heads of one KV head as rows: [1, Hkv, group * qlen, D], no K/V repeat.
             qg = qi.reshape(1, num_kv_heads, group * qlen, head_dim)
             ki = ki.transpose(0, 1).unsqueeze(0)
             vi = vi.transpose(0, 1).unsqueeze(0)
             rows = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
-            cols = torch.arange(ctx, device=q.device)[None, :]
+            cols = torch.arange(base, ctx, device=q.device)[None, :]
             mask = cols <= rows
             if window is not None:
                 mask &= cols > rows - window
