@@ -8,7 +8,12 @@ from typing import Any
 
 import torch
 
-from engine.model.families import SUPPORTED_MODEL_TYPES, family_options, text_config
+from engine.model.families import (
+    PARTIAL_ROTARY_MODEL_TYPES,
+    SUPPORTED_MODEL_TYPES,
+    family_options,
+    text_config,
+)
 
 # RoPE variants whose frequencies do not depend on the sequence being processed, and longrope,
 # whose factor set is fixed once per engine from its maximum length (see rope_inv_freq).
@@ -145,7 +150,7 @@ def model_config_from_hf(hf_config: Any, generation_config: Any = None) -> Model
     # transformers 5 moved partial_rotary_factor into rope_parameters.
     partial = rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
     if partial not in (None, 1.0):
-        if model_type != "phi3":
+        if model_type not in PARTIAL_ROTARY_MODEL_TYPES:
             raise ValueError("model: partial rotary embeddings are not supported")
         options["rotary_dim"] = int(head_dim * partial)
     rope_types = [rope["rope_type"]]

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+# Families whose RoPE may rotate only the leading part of each head (partial_rotary_factor).
+PARTIAL_ROTARY_MODEL_TYPES = ("phi3",)
 # Vision-language checkpoints whose text decoder is served alone (Gemma 3 4B and up): the
 # config's text part describes it, and its weights carry a prefix.
 MULTIMODAL_MODEL_TYPES = ("gemma3",)
