@@ -17,8 +17,9 @@ PARTIAL_ROTARY_MODEL_TYPES = ("phi3",)
 # Vision-language checkpoints whose text decoder is served alone (Gemma 3 4B and up): the
 # config's text part describes it, and its weights carry a prefix.
 MULTIMODAL_MODEL_TYPES = ("gemma3",)
-# Prefixes of the text decoder's weights in such checkpoints: as published, and as transformers
-# 5 saves them; everything else (vision tower, projector) is not read.
+# Prefixes of the text decoder's weights in such checkpoints: as published (and as
+# save_pretrained writes them), and as transformers names its modules (``model.language_model``);
+# everything else (vision tower, projector) is not read.
 _TEXT_PREFIXES = (
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
