@@ -106,8 +106,13 @@ class LimitsArgs(_Strict):
     # Seconds sent in Retry-After with every 429 and 503.
     retry_after_s: int = Field(1, ge=0)
     # Wall-clock limit per request at the engine replica; an expired request ends with
-    # finish_reason "timeout".
-    request_timeout_s: float | None = Field(None, gt=0)
+    # finish_reason "timeout". The default is far above what a request of max_tokens takes on a
+    # busy CPU, and still ends one that nobody reads (a stalled client keeps its sequence in the
+    # batch otherwise). None: no limit.
+    request_timeout_s: float | None = Field(900.0, gt=0)
+    # Seconds the whole request body may take to arrive; a client that sends it slower (or never
+    # finishes it) gets a 408 and frees its slot.
+    body_read_timeout_s: float = Field(30.0, gt=0)
 
 
 class AppArgs(_Strict):

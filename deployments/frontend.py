@@ -69,12 +69,22 @@ class OpenAIFrontend:
         if length is not None and length.isdigit() and int(length) > limit:
             raise HTTPError(413, f"request body larger than {limit} bytes", code="body_too_large")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise HTTPError(
-                    413, f"request body larger than {limit} bytes", code="body_too_large"
-                )
+        timeout_s = self.args.limits.body_read_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > limit:
+                        raise HTTPError(
+                            413, f"request body larger than {limit} bytes", code="body_too_large"
+                        )
+        except TimeoutError:
+            raise HTTPError(
+                408,
+                f"request body not received within {timeout_s:g} s",
+                "invalid_request_error",
+                code="body_timeout",
+            ) from None
         return self.validator.parse_json(bytes(body))
 
     async def completions(self, request: Request) -> Response:
