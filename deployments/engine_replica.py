@@ -37,6 +37,7 @@ from deployments.fault_injection import install_stall_hook
 from deployments.kv_sharing import KVSharing
 from deployments.metrics import ReplicaMetrics
 from deployments.replica_report import ReplicaReporter, call, detached
+from deployments.vllm_metrics import ChoiceTimer
 from engine.async_engine import AsyncEngine, EngineDeadError, build_on_own_thread
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta
@@ -81,7 +82,7 @@ class EngineReplica:
         )
         self.async_engine.on_death = self._on_engine_death
         self.async_engine.start()
-        self.metrics = ReplicaMetrics(self.replica_id)
+        self.metrics = ReplicaMetrics(self.replica_id, self.args.model_name)
         self.num_admitted = 0
         self.admitted_peak = 0
         self.admitted_gauge = Gauge(
@@ -180,6 +181,7 @@ class EngineReplica:
         params = req.sampling
         arrival = time.monotonic()
         first_at: float | None = None
+        timers = [ChoiceTimer(arrival) for _ in range(req.n)]
         # Each choice's latest delta; a choice is finished when its latest delta is.
         last: list[RequestDelta | None] = [None] * req.n
         timeout_s = req.timeout_s or self.args.limits.request_timeout_s
@@ -227,6 +229,7 @@ class EngineReplica:
                         break
                 if first_at is None:
                     first_at = time.monotonic()
+                timers[index].on_item(sum(len(d.new_token_ids) for d in batch))
                 last[index] = batch[-1]
                 done = all(d is not None and d.finished for d in last)
                 yield self._item(batch, index, done)
@@ -244,11 +247,12 @@ class EngineReplica:
             yield error_item(500, f"internal error: {type(e).__name__}", "internal_error")
         finally:
             await merged.aclose()
-            for delta in last:
+            for delta, timer in zip(last, timers, strict=True):
                 if delta is not None and delta.finished and first_at is not None:
                     n = delta.num_output_tokens
                     tpot = (time.monotonic() - first_at) / (n - 1) if n > 1 else None
                     self.metrics.observe_request(first_at - arrival, tpot)
+                    self.metrics.vllm.observe_finished(timer, delta)
 
     def _item(self, batch: list[RequestDelta], index: int = 0, done: bool = True) -> StreamItem:
         """One stream item: choice ``index``'s new tokens; ``finished`` ends the choice, ``done``

@@ -22,6 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from deployments.vllm_metrics import VllmMetrics
 from engine.llm_engine import EngineStats
 
 # `_created` series double the exposition for no use here.
@@ -39,10 +40,12 @@ Snapshot = list[dict[str, Any]]
 class ReplicaMetrics:
     """The metrics of one engine replica."""
 
-    def __init__(self, replica_id: str) -> None:
+    def __init__(self, replica_id: str, model_name: str = "") -> None:
         self.replica_id = replica_id
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # The same quantities under vLLM's names and model_name label (docs/metrics.md).
+        self.vllm = VllmMetrics(r, model_name, replica_id)
         labels = ["replica"]
         self.prompt_tokens = Counter(
             "prefixserve_prompt_tokens", "Prompt tokens admitted.", labels, registry=r
@@ -128,6 +131,7 @@ class ReplicaMetrics:
             self._mirrored[key] = value
 
     def update(self, stats: EngineStats) -> None:
+        self.vllm.update(stats)
         self._mirror(self.prompt_tokens, stats.prompt_tokens)
         self._mirror(self.generation_tokens, stats.generation_tokens)
         self._mirror(self.cache_hits, stats.cache_hit_tokens_local, source="local")

@@ -100,6 +100,8 @@ class Request:
         self.block_size = block_size
         self.hash_salt = hash_salt
         self.block_hashes: list[BlockHash] = []
+        # time.monotonic() when first scheduled (the end of its queueing; not reset by preemption).
+        self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
         # torch.Generator of a seeded request, set by the engine.
         self.generator: Any = None
