@@ -446,3 +446,77 @@ def test_malformed_json_and_still_serving(base_url: str, client: OpenAI) -> None
     assert "JSON" in r.json()["error"]["message"]
     ok = client.completions.create(model="tiny", prompt="still alive?", max_tokens=3)
     assert ok.usage.completion_tokens >= 1
+
+
+def test_vllm_metrics_and_dashboard_queries_resolve_and_move(base_url: str) -> None:
+    """Every vLLM-named metric docs/metrics.md lists, and every sample the shipped dashboard
+    queries, is on /metrics with the served model's name; under a little load the gauges rise
+    and every counter and histogram advances."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.deploy.observability import (
+        dashboard_queries,
+        documented_types,
+        load_dashboard,
+        queried_samples,
+    )
+
+    def names(m: dict[tuple[str, tuple], float]) -> set[str]:
+        return {n for n, _ in m}
+
+    def exposition_names(doc_name: str, kind: str) -> str:
+        return f"{doc_name}_count" if kind == "histogram" else doc_name
+
+    types = documented_types()
+    before = metrics(base_url)
+    for name, kind in types.items():
+        sample = exposition_names(name, kind)
+        assert sample in names(before), sample
+        assert {dict(lab).get("model_name") for n, lab in before if n == sample} == {"tiny"}
+    queried = set().union(*(queried_samples(q) for q in dashboard_queries(load_dashboard())))
+    assert queried and queried - names(before) == set()
+
+    prefix = list(range(2000, 2064))  # four full blocks: the repeats hit the prefix cache
+    body = {"model": "tiny", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    httpx.post(f"{base_url}/v1/completions", json={**body, "prompt": prefix}, timeout=60)
+
+    def stream(k: int) -> None:
+        payload = {**body, "prompt": prefix + [k + 3], "stream": True}
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=payload, timeout=60) as r:
+            assert r.status_code == 200
+            for _ in r.iter_lines():
+                pass
+
+    peak = {"vllm:num_requests_running": 0.0, "vllm:kv_cache_usage_perc": 0.0}
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(stream, k) for k in range(6)]
+        while not all(f.done() for f in futures):
+            during = metrics(base_url)
+            for name in peak:
+                peak[name] = max(peak[name], total(during, name))
+        for f in futures:
+            f.result()
+    assert all(v > 0 for v in peak.values()), peak
+
+    advancing = [
+        exposition_names(n, kind) for n, kind in types.items() if kind in ("counter", "histogram")
+    ]
+    # Nothing imports KV (one machine), preempts (a roomy cache) or stops at EOS (ignore_eos).
+    idle = {"vllm:external_prefix_cache_hits_total", "vllm:num_preemptions_total"}
+    deadline = time.monotonic() + 20
+    while True:
+        after = metrics(base_url)
+        moved = {n for n in advancing if total(after, n) > total(before, n)}
+        if moved >= set(advancing) - idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert set(advancing) - idle - moved == set()
+    assert (
+        total(after, "vllm:request_success_total", finished_reason="length")
+        - total(before, "vllm:request_success_total", finished_reason="length")
+        == 7
+    )
+    assert (
+        total(after, "vllm:generation_tokens_total") - total(before, "vllm:generation_tokens_total")
+        == 7 * 48
+    )
