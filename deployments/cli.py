@@ -51,6 +51,8 @@ APP_FLAGS = (
     "handle_transport",
     "pin_engine_cpus",
     "engine_stall_timeout_s",
+    "enable_log_requests",
+    "log_stats_interval_s",
 )
 HELP = {
     "model": "model name (built-in), Hugging Face directory or .gguf file",
@@ -79,6 +81,8 @@ HELP = {
     "handle_transport": "how the ingress reaches engine replicas",
     "pin_engine_cpus": "pin each replica's compute thread to CPUs of its own",
     "engine_stall_timeout_s": "seconds one engine step may take before the replica is replaced",
+    "enable_log_requests": "log each request (with its response id and x-request-id)",
+    "log_stats_interval_s": "seconds between an engine replica's stats lines",
 }
 # `prefixserve bench NAME ...` runs benchmarks.<module>.main(argv).
 BENCHMARKS = {
@@ -170,6 +174,11 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
         help="engine replicas (a fixed count: replaces the config's autoscaling)",
     )
     serve.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="Serve's log encoding for the application's replicas (logging_config.encoding)",
+    )
+    serve.add_argument(
         "--cpus-per-replica",
         type=_positive(float),
         metavar="CPUS",
@@ -248,6 +257,7 @@ def overrides_from(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> O
         port=ns.port,
         replicas=ns.replicas,
         cpus_per_replica=ns.cpus_per_replica,
+        log_encoding=None if ns.log_format is None else ns.log_format.upper(),
     )
 
 

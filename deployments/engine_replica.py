@@ -29,6 +29,7 @@ import ray
 from prometheus_client import Counter, Gauge
 from ray import serve
 
+from deployments import request_logging
 from deployments.choices import choice_params, merge_streams
 from deployments.config import AppArgs
 from deployments.cpu_affinity import replica_engine_cpus, restore_priority
@@ -37,6 +38,7 @@ from deployments.fault_injection import install_stall_hook
 from deployments.kv_sharing import KVSharing
 from deployments.metrics import ReplicaMetrics
 from deployments.replica_report import ReplicaReporter, call, detached
+from deployments.stats_log import EngineStatsLog
 from deployments.vllm_metrics import ChoiceTimer
 from engine.async_engine import AsyncEngine, EngineDeadError, build_on_own_thread
 from engine.llm_engine import LLMEngine
@@ -62,6 +64,7 @@ def _assigned_cpus() -> int | None:
 class EngineReplica:
     def __init__(self, args: dict[str, Any]) -> None:
         self.args = AppArgs.model_validate(args)
+        request_logging.install()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.started_at = time.time()
         config = self.args.engine_config(num_threads=_assigned_cpus())
@@ -128,6 +131,9 @@ class EngineReplica:
             heartbeat=None
             if sharing is None
             else lambda: sharing.directory.heartbeat.remote(self.replica_id),
+            stats_log=None
+            if self.args.log_stats_interval_s is None
+            else EngineStatsLog(self.args.log_stats_interval_s, logger),
         )
 
     # -- serving ---------------------------------------------------------------------------------
@@ -141,6 +147,10 @@ class EngineReplica:
     async def generate(self, req: EngineRequest) -> AsyncIterator[StreamItem | EngineError]:
         """Stream items for one request; an error is a final ``EngineError`` item, never an
         exception, so the HTTP side can map it to an HTTP status."""
+        # This request's task (a context of its own): the ids stay bound, never reset.
+        ids = request_logging.RequestIds(req.request_id, req.x_request_id)
+        if request_logging.current() != ids:
+            request_logging.bind(ids.response_id, ids.x_request_id)
         self._ensure_reporter()
         capacity = self.capacity
         # Checked and counted with no await in between: admission is atomic on the event loop.
@@ -180,6 +190,13 @@ class EngineReplica:
             return
         params = req.sampling
         arrival = time.monotonic()
+        if self.args.enable_log_requests:
+            logger.info(
+                "engine request added: prompt_tokens=%d max_tokens=%s n=%d",
+                len(req.prompt_token_ids),
+                params.max_tokens,
+                req.n,
+            )
         first_at: float | None = None
         timers = [ChoiceTimer(arrival) for _ in range(req.n)]
         # Each choice's latest delta; a choice is finished when its latest delta is.
@@ -253,6 +270,17 @@ class EngineReplica:
                     tpot = (time.monotonic() - first_at) / (n - 1) if n > 1 else None
                     self.metrics.observe_request(first_at - arrival, tpot)
                     self.metrics.vllm.observe_finished(timer, delta)
+                    if self.args.enable_log_requests:
+                        logger.info(
+                            "engine request finished: finish_reason=%s prompt_tokens=%d "
+                            "output_tokens=%d cached_tokens=%d ttft_ms=%.1f e2e_ms=%.1f",
+                            delta.finish_reason,
+                            delta.num_prompt_tokens,
+                            delta.num_output_tokens,
+                            delta.num_cached_tokens,
+                            1000 * ((timer.first_at or timer.last_at) - arrival),
+                            1000 * (timer.last_at - arrival),
+                        )
 
     def _item(self, batch: list[RequestDelta], index: int = 0, done: bool = True) -> StreamItem:
         """One stream item: choice ``index``'s new tokens; ``finished`` ends the choice, ``done``

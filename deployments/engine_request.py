@@ -31,6 +31,8 @@ class EngineRequest:
     n: int = 1
     # Folded into the block hashes (engine.block_hash.salted): ``block_hashes`` already are.
     cache_salt: str | None = None
+    # The client's x-request-id header, for the replica's log lines (deployments.request_logging).
+    x_request_id: str | None = None
 
 
 @dataclass

@@ -54,6 +54,8 @@ class Overrides:
     port: int | None = None
     replicas: int | None = None
     cpus_per_replica: float | None = None
+    # Serve's logging_config.encoding for the application: "TEXT" or "JSON".
+    log_encoding: str | None = None
 
 
 def _read_yaml(path: Path, what: str) -> Any:
@@ -120,6 +122,11 @@ def build_serve_config(base: Mapping[str, Any], overrides: Overrides) -> dict[st
     config = copy.deepcopy(dict(base))
     app = _application(config)
     app["args"] = _merge(app.get("args") or {}, overrides.args)
+    if overrides.log_encoding is not None:
+        app["logging_config"] = {
+            **(app.get("logging_config") or {}),
+            "encoding": overrides.log_encoding,
+        }
     if overrides.host is not None or overrides.port is not None:
         http = dict(config.get("http_options") or {})
         if overrides.host is not None:
