@@ -41,6 +41,7 @@ from deployments.replica_report import ReplicaReporter, call, detached
 from deployments.stats_log import EngineStatsLog
 from deployments.vllm_metrics import ChoiceTimer
 from engine.async_engine import AsyncEngine, EngineDeadError, build_on_own_thread
+from engine.attention import native
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta
 
@@ -86,6 +87,8 @@ class EngineReplica:
         self.async_engine.on_death = self._on_engine_death
         self.async_engine.start()
         self.metrics = ReplicaMetrics(self.replica_id, self.args.model_name)
+        # Loaded (or found unavailable, with a WARNING) while the engine was built.
+        self.metrics.set_native_kernels(native.unavailable_reason())
         self.num_admitted = 0
         self.admitted_peak = 0
         self.admitted_gauge = Gauge(

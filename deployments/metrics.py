@@ -106,6 +106,13 @@ class ReplicaMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.native_kernels = Gauge(
+            "prefixserve_native_kernels_available",
+            "1 when the engine's native CPU kernels are loaded; 0 with the reason they are not "
+            "(no_compiler, build_failed, not_linux, disabled): the slower PyTorch path runs.",
+            ["replica", "reason"],
+            registry=r,
+        )
         # Create the labelled children now so every family is exported from the start.
         for source in ("local", "remote"):
             self.cache_hits.labels(replica=replica_id, source=source)
@@ -145,6 +152,11 @@ class ReplicaMetrics:
         self.kv_usage.labels(replica=rid).set(stats.kv_usage)
         self.kv_free.labels(replica=rid).set(stats.num_free_blocks)
         self.kv_total.labels(replica=rid).set(stats.num_blocks)
+
+    def set_native_kernels(self, unavailable_reason: str | None) -> None:
+        """Export whether the native kernels are loaded (``engine.attention.native``)."""
+        reason = unavailable_reason or ""
+        self.native_kernels.labels(replica=self.replica_id, reason=reason).set(0 if reason else 1)
 
     def observe_request(self, ttft_s: float | None, tpot_s: float | None) -> None:
         if ttft_s is not None:
