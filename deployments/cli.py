@@ -294,6 +294,11 @@ def _embedded_config(manifest: dict[str, Any]) -> dict[str, Any]:
 
 def config_command(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     """The text `prefixserve config` prints."""
+    if ns.kuberay and ns.host not in (None, "0.0.0.0"):
+        parser.error(
+            "argument --host: in a Pod Serve must listen on all interfaces (0.0.0.0): the "
+            "Service and KubeRay's probes reach it through the Pod's IP"
+        )
     config = _serve_config(ns, parser)
     if ns.kuberay:
         return dump(kuberay_manifest(load_kuberay_template(), config, ns.replicas))

@@ -192,10 +192,20 @@ def kuberay_manifest(
     """``template`` (a RayService) embedding ``serve_config`` as its ``serveConfigV2``.
 
     The shipped manifest places one engine replica per worker Pod, so a fixed ``replicas``
-    also fixes the worker group's Pod count (and the autoscaler's bounds around it).
+    also fixes the worker group's Pod count (and the autoscaler's bounds around it). Every Ray
+    container's port named ``serve`` follows the config's HTTP port (KubeRay's Service and
+    probes use that port).
     """
     manifest = copy.deepcopy(dict(template))
     manifest["spec"]["serveConfigV2"] = dump(serve_config)
+    port = (serve_config.get("http_options") or {}).get("port")
+    cluster = manifest["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster.get("workerGroupSpecs", [])]
+    for group in groups:
+        for container in group["template"]["spec"]["containers"]:
+            for container_port in container.get("ports", []):
+                if container_port.get("name") == "serve" and port is not None:
+                    container_port["containerPort"] = port
     if replicas is not None:
         for group in manifest["spec"]["rayClusterConfig"].get("workerGroupSpecs", []):
             group["replicas"] = replicas

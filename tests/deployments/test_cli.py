@@ -181,7 +181,8 @@ def test_kuberay_manifest_is_valid(crd: CustomResourceValidator) -> None:
 def test_kuberay_manifest_with_flags(
     capsys: pytest.CaptureFixture[str], crd: CustomResourceValidator
 ) -> None:
-    assert cli.main(["config", "--kuberay", "--replicas", "3", "--max-model-len", "1024"]) == 0
+    argv = ["config", "--kuberay", "--replicas", "3", "--max-model-len", "1024", "--port", "9000"]
+    assert cli.main(argv) == 0
     manifest = yaml.load(capsys.readouterr().out, Loader=YAML_LOADER)
     assert rayservice_errors(manifest, crd) == []
     (app,) = serve_config(manifest)["applications"]
@@ -191,6 +192,14 @@ def test_kuberay_manifest_with_flags(
     (group,) = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert group["replicas"] == group["minReplicas"] == 3 <= group["maxReplicas"]
     assert app["args"]["engine"]["max_model_len"] == 1024
+    # The Pods' serve port follows the Serve port.
+    assert serve_config(manifest)["http_options"] == {"host": "0.0.0.0", "port": 9000}
+    for spec in [manifest["spec"]["rayClusterConfig"]["headGroupSpec"], group]:
+        (container,) = spec["template"]["spec"]["containers"]
+        assert {p["containerPort"] for p in container["ports"] if p["name"] == "serve"} == {9000}
+    assert "must listen on all interfaces" in usage_error(
+        capsys, "config", "--kuberay", "--host", "127.0.0.1"
+    )
 
 
 def test_serve_runs_the_printed_config(
@@ -229,3 +238,21 @@ def test_bench_fronts_the_benchmark_clients(capsys: pytest.CaptureFixture[str]) 
     assert exc.value.code == 0
     assert "--concurrency" in capsys.readouterr().out
     assert "invalid choice: 'nope'" in usage_error(capsys, "bench", "nope")
+
+
+def test_log_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    printed = printed_config(
+        capsys, "--log-format", "json", "--enable-log-requests", "--log-stats-interval-s", "5"
+    )
+    assert serve_config_errors(printed) == []
+    (app,) = printed["applications"]
+    # Serve's own logging_config carries the encoding; the rest are application args.
+    assert app["logging_config"] == {"encoding": "JSON"}
+    args = AppArgs.model_validate(app["args"])
+    assert args.enable_log_requests is True and args.log_stats_interval_s == 5.0
+    assert "--log-format: invalid choice: 'xml'" in usage_error(
+        capsys, "config", "--log-format", "xml"
+    )
+    assert "argument --log-stats-interval-s: Input should be greater than 0" in usage_error(
+        capsys, "config", "--log-stats-interval-s", "0"
+    )
