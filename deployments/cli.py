@@ -116,7 +116,9 @@ def _add_field_flag(group: argparse._ArgumentGroup, name: str, info: FieldInfo) 
     what the command line sets overrides the config file."""
     annotation = _unwrap_optional(info.annotation)
     default = info.default
-    help_text = f"{HELP.get(name, name.replace('_', ' '))} (default: {default})"
+    help_text = HELP.get(name, name.replace("_", " "))
+    if default is not None and "default" not in help_text:
+        help_text += f" (default: {default})"
     kwargs: dict[str, Any] = {"default": None, "dest": name, "help": help_text}
     if annotation is bool:
         group.add_argument(_flag(name), action=argparse.BooleanOptionalAction, **kwargs)
@@ -184,7 +186,11 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
         metavar="CPUS",
         help="Ray CPUs reserved by each engine replica",
     )
-    app = parser.add_argument_group("application (args in the Serve config)")
+    app = parser.add_argument_group(
+        "application (args in the Serve config)",
+        "A flag left out keeps the config file's value; the defaults shown apply where the file "
+        "has none.",
+    )
     for name, info in _fields(AppArgs, APP_FLAGS).items():
         _add_field_flag(app, name, info)
     engine = parser.add_argument_group("engine (args.engine in the Serve config)")
