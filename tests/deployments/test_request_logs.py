@@ -1,5 +1,7 @@
-"""One request's ids followed through the ingress's and the engine replica's Serve log files,
-and the engine stats line (real Ray Serve, the routed layout; the engine logs JSON)."""
+"""One request's ids followed through the Serve log files of the replicas that served it, and
+the engine stats line (real Ray Serve; the engine replicas log JSON, an ingress text). Routed:
+the ingress's and the engine replica's files; direct (the shipped layout): the engine replica's,
+which serves HTTP itself."""
 
 from __future__ import annotations
 
@@ -18,8 +20,13 @@ pytestmark = pytest.mark.ray
 APP = "prefixserve-logs"
 
 
+@pytest.fixture(scope="module", params=["routed", "direct"])
+def layout(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def base_url(serve_instance: str, tiny_llama_with_tokenizer: Path) -> Iterator[str]:
+def base_url(serve_instance: str, tiny_llama_with_tokenizer: Path, layout: str) -> Iterator[str]:
     deploy(
         serve_instance,
         {
@@ -32,7 +39,7 @@ def base_url(serve_instance: str, tiny_llama_with_tokenizer: Path) -> Iterator[s
         },
         name=APP,
         num_replicas=1,
-        layout="routed",
+        layout=layout,
         engine_options={"logging_config": {"encoding": "JSON"}},
     )
     yield serve_instance
@@ -59,7 +66,7 @@ def wait_for(predicate, timeout_s: float = 20.0):
         time.sleep(0.5)
 
 
-def test_one_request_followed_through_ingress_and_engine_logs(base_url: str) -> None:
+def test_one_request_followed_through_its_replicas_logs(base_url: str, layout: str) -> None:
     x_request_id = f"trace-{time.time_ns()}"
     r = httpx.post(
         f"{base_url}/v1/chat/completions",
@@ -79,10 +86,11 @@ def test_one_request_followed_through_ingress_and_engine_logs(base_url: str) -> 
     assert response_id.startswith("chatcmpl-")
     assert r.headers["x-request-id"] == x_request_id
 
-    # The ingress (text): its request line carries both ids, and so does every line naming one.
-    ingress = wait_for(lambda: [x for x in serve_logs("Ingress") if response_id in x])
-    assert any("received chat completion request" in line for line in ingress), ingress
-    assert all(f"[{response_id} x-request-id={x_request_id}]" in line for line in ingress)
+    # The HTTP side's request line: text at a routed ingress, JSON in the direct layout.
+    if layout == "routed":
+        ingress = wait_for(lambda: [x for x in serve_logs("Ingress") if response_id in x])
+        assert any("received chat completion request" in line for line in ingress), ingress
+        assert all(f"[{response_id} x-request-id={x_request_id}]" in line for line in ingress)
 
     # The engine replica (JSON): the ids as keys of each of the request's records.
     def engine_records() -> list[dict]:
@@ -92,13 +100,23 @@ def test_one_request_followed_through_ingress_and_engine_logs(base_url: str) -> 
                 out.append(json.loads(line))
         return out
 
-    records = wait_for(lambda: len(engine_records()) >= 2 and engine_records())
+    expected = ["engine request added", "engine request finished"]
+    if layout == "direct":
+        expected.append("received chat completion request")
+
+    def complete() -> list[dict]:
+        records = engine_records()
+        found = all(any(e in rec["message"] for rec in records) for e in expected)
+        return records if found else []
+
+    records = wait_for(complete)
     messages = [rec["message"] for rec in records]
-    assert any("engine request added" in m for m in messages), messages
+    assert records, (expected, [r["message"] for r in engine_records()])
     finished = [m for m in messages if "engine request finished" in m]
-    assert finished and "output_tokens=5" in finished[0]
+    assert "output_tokens=5" in finished[0]
     for rec in records:
         assert rec["response_id"] == response_id and rec["x_request_id"] == x_request_id
+        assert rec["message"].startswith(f"[{response_id} x-request-id={x_request_id}] ")
 
     # The stats line, from the engine replica's report loop (outside any request).
     stats = wait_for(
