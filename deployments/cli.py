@@ -212,6 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(see `prefixserve config`), blocking until Ctrl-C.",
     )
     _add_launch_flags(serve)
+    serve.add_argument(
+        "--address",
+        default="local",
+        help="Ray cluster to run on: `local` (default) starts one of its own, as `vllm serve` "
+        "would; `auto` or an address joins a running cluster (`serve run` without --address "
+        "would join whichever cluster was last started on this machine)",
+    )
     serve.set_defaults(subparser=serve)
     config = commands.add_parser(
         "config",
@@ -311,17 +318,19 @@ def config_command(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> s
     return dump(config)
 
 
-def run_serve(config_path: Path) -> int:
-    """Start Serve on ``config_path`` as `serve run` does, blocking until Ctrl-C."""
+def run_serve(config_path: Path, address: str) -> int:
+    """Start Serve on ``config_path`` as `serve run --address ADDRESS` does, blocking until
+    Ctrl-C."""
     from ray.serve.scripts import cli
 
-    return cli.main(args=["run", str(config_path)], prog_name="serve", standalone_mode=False) or 0
+    argv = ["run", "--address", address, str(config_path)]
+    return cli.main(args=argv, prog_name="serve", standalone_mode=False) or 0
 
 
 def serve_command(
     ns: argparse.Namespace,
     parser: argparse.ArgumentParser,
-    runner: Callable[[Path], int] = run_serve,
+    runner: Callable[[Path, str], int] = run_serve,
 ) -> int:
     """Validate, convert a built-in model once up front (as `make serve` does), write the config
     and hand it to ``runner``."""
@@ -341,7 +350,7 @@ def serve_command(
     with tempfile.TemporaryDirectory(prefix="prefixserve-") as tmp:
         path = Path(tmp) / "serve_config.yaml"
         path.write_text(dump(config))
-        return runner(path)
+        return runner(path, ns.address)
 
 
 def bench_command(ns: argparse.Namespace) -> int:

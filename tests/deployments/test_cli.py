@@ -213,7 +213,8 @@ def test_serve_runs_the_printed_config(
     argv = [str(model), "--replicas", "1", "--port", "9000"]
     seen: dict[str, Any] = {}
 
-    def runner(path: Path) -> int:
+    def runner(path: Path, address: str) -> int:
+        seen["address"] = address
         seen["config"] = yaml.safe_load(path.read_text())
         seen["env"] = {k: os.environ.get(k) for k in SERVE_PROCESS_ENV}
         return 0
@@ -224,6 +225,11 @@ def test_serve_runs_the_printed_config(
     assert seen["config"] == printed_config(capsys, *argv)
     assert seen["config"]["applications"][0]["args"]["model"] == str(model)
     assert seen["env"] == SERVE_PROCESS_ENV
+    # A cluster of its own unless told otherwise, never whichever one ran last on the machine.
+    assert seen["address"] == "local"
+    ns = parser.parse_args(["serve", *argv, "--address", "auto"])
+    assert cli.serve_command(ns, ns.subparser, runner=runner) == 0
+    assert seen["address"] == "auto"
 
 
 def test_serve_refuses_a_missing_model_before_starting_ray() -> None:
