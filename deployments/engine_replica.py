@@ -86,7 +86,7 @@ class EngineReplica:
         )
         self.async_engine.on_death = self._on_engine_death
         self.async_engine.start()
-        self.metrics = ReplicaMetrics(self.replica_id, self.args.model_name)
+        self.metrics = ReplicaMetrics(self.replica_id, self.args.model_name, ray_export=True)
         # Loaded (or found unavailable, with a WARNING) while the engine was built.
         self.metrics.set_native_kernels(native.unavailable_reason())
         self.num_admitted = 0

@@ -40,12 +40,12 @@ Snapshot = list[dict[str, Any]]
 class ReplicaMetrics:
     """The metrics of one engine replica."""
 
-    def __init__(self, replica_id: str, model_name: str = "") -> None:
+    def __init__(self, replica_id: str, model_name: str = "", ray_export: bool = False) -> None:
         self.replica_id = replica_id
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         # The same quantities under vLLM's names and model_name label (docs/metrics.md).
-        self.vllm = VllmMetrics(r, model_name, replica_id)
+        self.vllm = VllmMetrics(r, model_name, replica_id, ray_export=ray_export)
         labels = ["replica"]
         self.prompt_tokens = Counter(
             "prefixserve_prompt_tokens", "Prompt tokens admitted.", labels, registry=r

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from deployments.ray_metrics import Mirrored
 from engine.llm_engine import EngineStats
 from engine.outputs import RequestDelta
 
@@ -33,19 +35,30 @@ FINISH_REASONS = ("stop", "length", "abort")
 class VllmMetrics:
     """The vLLM-named families of one engine replica, in ``registry``."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, replica_id: str) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        replica_id: str,
+        ray_export: bool = False,
+    ) -> None:
+        """``ray_export``: record every value in Ray's metrics pipeline too (a Ray worker only;
+        see ``deployments.ray_metrics``)."""
         self.labels = {"model_name": model_name, "replica": replica_id}
         names = list(self.labels)
         r = registry
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, [*names, *extra], registry=r)
+        def both(family: Any, doc: str) -> Any:
+            return Mirrored(family, doc) if ray_export else family
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names, registry=r)
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
+            return both(Counter(name, doc, [*names, *extra], registry=r), doc)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets, registry=r)
+        def gauge(name: str, doc: str) -> Any:
+            return both(Gauge(name, doc, names, registry=r), doc)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return both(Histogram(name, doc, names, buckets=buckets, registry=r), doc)
 
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
@@ -142,7 +155,7 @@ class VllmMetrics:
             self.success.labels(**self.labels, finished_reason=reason)
         self._mirrored: dict[tuple[str, str], float] = {}
 
-    def _mirror(self, counter: Counter, value: float, reason: str = "") -> None:
+    def _mirror(self, counter: Any, value: float, reason: str = "") -> None:
         """Advance a counter to a cumulative value read from the engine."""
         key = (counter._name, reason)
         delta = value - self._mirrored.get(key, 0.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -524,3 +525,46 @@ def test_vllm_metrics_and_dashboard_queries_resolve_and_move(base_url: str) -> N
     assert {n for n in advancing if gained(after, n) <= 0} <= idle
     assert gained(after, "vllm:request_success_total", finished_reason="length") >= 7
     assert gained(after, "vllm:generation_tokens_total") >= 7 * 48
+
+
+def test_vllm_metrics_reach_rays_metrics_pipeline(base_url: str) -> None:
+    """The same families under Ray's names on every node's metrics agent (what Ray's own
+    dashboards and a Prometheus scraping Ray read), once requests have been served."""
+    import ray
+
+    from tests.deploy.observability import documented_types
+
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    assert httpx.post(f"{base_url}/v1/completions", json=body, timeout=60).status_code == 200
+    ports = [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]]
+
+    def exported() -> dict[tuple[str, tuple], float]:
+        out: dict[tuple[str, tuple], float] = {}
+        for port in ports:
+            with contextlib.suppress(httpx.HTTPError):
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+                for fam in text_string_to_metric_families(text):
+                    for s in fam.samples:
+                        key = (s.name, tuple(sorted(s.labels.items())))
+                        out[key] = out.get(key, 0.0) + s.value
+        return out
+
+    # Ray's agents export what replicas record every few seconds (Ray's report interval).
+    deadline = time.monotonic() + 60
+    while True:
+        m = exported()
+        if total(m, "ray_vllm_generation_tokens_total", model_name="tiny") > 0 and total(
+            m, "ray_vllm_e2e_request_latency_seconds_count", model_name="tiny"
+        ):
+            break
+        assert time.monotonic() < deadline, sorted({n for n, _ in m if "vllm" in n})
+        time.sleep(2)
+    names = {n for n, _ in m}
+    # Ray exports a series once something was recorded in it: not these two here (no KV import,
+    # no preemption), which /metrics shows at 0.
+    never_recorded = {"vllm:external_prefix_cache_hits_total", "vllm:num_preemptions_total"}
+    for name, kind in documented_types().items():
+        if name in never_recorded:
+            continue
+        ray_name = "ray_" + name.replace(":", "_")
+        assert (f"{ray_name}_count" if kind == "histogram" else ray_name) in names, ray_name
