@@ -32,6 +32,7 @@ from deployments.launch_config import (
     Overrides,
     build_serve_config,
     dump,
+    embedded_serve_config,
     kuberay_manifest,
     load_kuberay_template,
     load_serve_config,
@@ -274,35 +275,29 @@ def overrides_from(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> O
     )
 
 
-def _flag_for(key: str) -> str:
-    """The flag that sets a config key, for error messages (the key itself if none does)."""
+def _where(key: str, ns: argparse.Namespace) -> str:
+    """What set a bad config key, for error messages: its flag when the command line set it,
+    else the key (in the --config file, or the file the command starts from)."""
     parts = key.split(".")
-    if parts[:1] == ["args"]:
-        name = parts[-1]
-        if name == "model" and len(parts) == 2:
-            return "MODEL"
-        if name in APP_FLAGS or name in EngineArgs.model_fields:
-            return _flag(name)
-    return key
+    name = parts[-1]
+    if key == "args.model" and (ns.model_tag or ns.model):
+        return "MODEL"
+    flagged = name in (*APP_FLAGS, *EngineArgs.model_fields)
+    if parts[:1] == ["args"] and flagged and getattr(ns, name, None) is not None:
+        return _flag(name)
+    return key if key.startswith("--") else f"--config: {key}"
 
 
 def _serve_config(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     overrides = overrides_from(ns, parser)
     try:
         if getattr(ns, "kuberay", False) and ns.config is None:
-            base = _embedded_config(load_kuberay_template())
+            base = embedded_serve_config(load_kuberay_template())
         else:
             base = load_serve_config(ns.config)
         return build_serve_config(base, overrides)
     except LaunchConfigError as e:
-        parser.error(f"argument {_flag_for(e.field)}: {e.message}")
-        raise AssertionError("unreachable") from e
-
-
-def _embedded_config(manifest: dict[str, Any]) -> dict[str, Any]:
-    import yaml
-
-    return yaml.safe_load(manifest["spec"]["serveConfigV2"])
+        parser.error(f"argument {_where(e.field, ns)}: {e.message}")
 
 
 def config_command(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> str:

@@ -85,6 +85,11 @@ def load_kuberay_template() -> dict[str, Any]:
     return manifest
 
 
+def embedded_serve_config(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """A RayService's ``serveConfigV2`` (a YAML string) as a mapping."""
+    return yaml.safe_load(manifest["spec"]["serveConfigV2"])
+
+
 def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     """``base`` with ``over``'s leaves written into it (nested mappings merged, not replaced)."""
     out = dict(base)

@@ -158,7 +158,14 @@ def test_config_file_typo_names_the_key(capsys: pytest.CaptureFixture[str], tmp_
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
     err = usage_error(capsys, "config", "--config", str(path))
-    assert "args.engine.max_num_seq: Extra inputs are not permitted" in err
+    assert "argument --config: args.engine.max_num_seq: Extra inputs are not permitted" in err
+    # A bad value in the file is the file's, not a flag's; the flag's when the flag set it.
+    config["applications"][0]["args"]["engine"] = {"max_num_seqs": 0}
+    path.write_text(yaml.safe_dump(config))
+    err = usage_error(capsys, "config", "--config", str(path))
+    assert "argument --config: args.engine.max_num_seqs: Input should be greater than 0" in err
+    err = usage_error(capsys, "config", "--config", str(path), "--max-num-seqs", "-1")
+    assert "argument --max-num-seqs: Input should be greater than 0" in err
 
 
 @pytest.fixture(scope="module")
