@@ -281,7 +281,7 @@ class EngineReplica:
                             delta.num_prompt_tokens,
                             delta.num_output_tokens,
                             delta.num_cached_tokens,
-                            1000 * ((timer.first_at or timer.last_at) - arrival),
+                            1000 * ((delta.first_token_time or timer.last_at) - arrival),
                             1000 * (timer.last_at - arrival),
                         )
 

@@ -7,7 +7,7 @@ registry beside the ``prefixserve_*`` families and reach ``/metrics`` the same w
 
 Latencies are measured in the engine replica's process with ``time.monotonic()``: the engine
 stamps a request's first scheduling and first token (``RequestDelta``), the replica its arrival,
-each stream item and the end. So "queue" includes the hand-over to the engine thread, and the
+each stream item it receives and the last (its end). So "queue" includes the hand-over to the engine thread, and the
 time before the replica (HTTP, routing) is in no histogram.
 """
 
@@ -84,7 +84,7 @@ class VllmMetrics:
         )
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds",
-            "Arrival at the engine replica to the first token.",
+            "Arrival at the engine replica to the engine's first token.",
             LATENCY_BUCKETS,
         )
         self.itl = histogram(
@@ -186,12 +186,15 @@ class VllmMetrics:
     def observe_finished(self, timer: ChoiceTimer, delta: RequestDelta) -> None:
         """One finished choice's latencies and lengths (``delta``: its final delta)."""
         labels = self.labels
-        if timer.first_at is not None:
-            self.ttft.labels(**labels).observe(timer.first_at - timer.arrival)
-            self.decode.labels(**labels).observe(timer.last_at - timer.first_at)
+        # The engine's own stamp when there is one: a non-streamed request's first item comes
+        # only when its whole answer does.
+        first = delta.first_token_time if delta.first_token_time is not None else timer.first_at
+        if first is not None:
+            self.ttft.labels(**labels).observe(first - timer.arrival)
+            self.decode.labels(**labels).observe(timer.last_at - first)
             n = delta.num_output_tokens
             if n > 1:
-                self.tpot.labels(**labels).observe((timer.last_at - timer.first_at) / (n - 1))
+                self.tpot.labels(**labels).observe((timer.last_at - first) / (n - 1))
         self.e2e.labels(**labels).observe(timer.last_at - timer.arrival)
         if delta.scheduled_time is not None:
             queue = max(0.0, delta.scheduled_time - timer.arrival)

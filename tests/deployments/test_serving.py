@@ -478,7 +478,8 @@ def test_vllm_metrics_and_dashboard_queries_resolve_and_move(base_url: str) -> N
     assert queried and queried - names(before) == set()
 
     prefix = list(range(2000, 2064))  # four full blocks: the repeats hit the prefix cache
-    body = {"model": "tiny", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    # Long enough (seconds) that a report of every replica (each second) sees them running.
+    body = {"model": "tiny", "max_tokens": 256, "temperature": 0, "ignore_eos": True}
     httpx.post(f"{base_url}/v1/completions", json={**body, "prompt": prefix}, timeout=60)
 
     def stream(k: int) -> None:
@@ -514,7 +515,7 @@ def test_vllm_metrics_and_dashboard_queries_resolve_and_move(base_url: str) -> N
         return (
             {n for n in advancing if gained(after, n) > 0} >= set(advancing) - idle
             and gained(after, "vllm:request_success_total", finished_reason="length") >= 7
-            and gained(after, "vllm:generation_tokens_total") >= 7 * 48
+            and gained(after, "vllm:generation_tokens_total") >= 7 * 256
         )
 
     deadline = time.monotonic() + 20
@@ -524,7 +525,7 @@ def test_vllm_metrics_and_dashboard_queries_resolve_and_move(base_url: str) -> N
         after = metrics(base_url)
     assert {n for n in advancing if gained(after, n) <= 0} <= idle
     assert gained(after, "vllm:request_success_total", finished_reason="length") >= 7
-    assert gained(after, "vllm:generation_tokens_total") >= 7 * 48
+    assert gained(after, "vllm:generation_tokens_total") >= 7 * 256
 
 
 def test_vllm_metrics_reach_rays_metrics_pipeline(base_url: str) -> None:
