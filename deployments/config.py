@@ -63,6 +63,11 @@ class KVSharingArgs(_Strict):
     eviction: Literal["lru", "fifo"] = "lru"
     min_blocks: int = Field(4, ge=1)
     fetch_timeout_s: float = Field(5.0, gt=0)
+    # Blocks per published object: eviction from the directory (and so from the object store)
+    # frees whole objects, so smaller objects track the byte budget more finely.
+    max_blocks_per_object: int = Field(32, ge=1)
+    # Bytes one replica fetches from the object store at once; past it, prompts recompute.
+    max_import_bytes: int = Field(512 << 20, gt=0)
 
 
 class LimitsArgs(_Strict):
@@ -126,6 +131,11 @@ class AppArgs(_Strict):
     # Bearer token required on every route but /ping (the liveness probe's); also read from
     # PREFIXSERVE_API_KEY.
     api_key: str | None = None
+    # Secret that keys the block hashes (engine.block_hash), so that no client can compute one
+    # offline and search for a prefix that collides with another tenant's. None: a fresh one is
+    # generated each time the application is built (deployments.app.build); set it to keep
+    # hashes stable across deploys.
+    kv_hash_key: str | None = Field(None, min_length=16)
     # False: responses leave out usage.prompt_tokens_details.cached_tokens and the
     # x-engine-replica header, which tell a client whether another client's prompt is cached
     # (tenants that must not learn that also send distinct cache_salt values).
@@ -178,4 +188,6 @@ class AppArgs(_Strict):
         options = self.engine.model_dump()
         if options["num_threads"] is None:
             options["num_threads"] = num_threads
-        return EngineConfig(model=self.model, tokenizer=self.tokenizer, **options)
+        return EngineConfig(
+            model=self.model, tokenizer=self.tokenizer, kv_hash_key=self.kv_hash_key, **options
+        )
