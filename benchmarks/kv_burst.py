@@ -112,10 +112,19 @@ class Owner:
 
     async def publish(self, prefix: list[int]) -> None:
         self.sharing.start()
+        if not hasattr(self, "_heartbeats"):
+            # A replica heartbeats through its reporter; without it the directory would drop
+            # this owner's entries after owner_timeout_s.
+            self._heartbeats = asyncio.get_running_loop().create_task(self._heartbeat())
         await run(self.sharing, f"seed{len(prefix)}-{prefix[0]}", [*prefix, 7], share=False)
         hashes = self.sharing.engine.make_request("probe", prefix, PARAMS).block_hashes
         while await self.sharing.directory.contains.remote(hashes) < len(hashes):
             await asyncio.sleep(0.05)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await self.sharing.heartbeat()
+            await asyncio.sleep(1.0)
 
 
 async def burst(sharing: KVSharing, prompts: list[list[int]], share: bool) -> dict[str, float]:
@@ -137,7 +146,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
 
-    ray.init(num_cpus=1, object_store_memory=1 << 30, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=1,
+        object_store_memory=1 << 30,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     directory_actor = KVDirectory.remote(capacity_bytes=1 << 30)
     directory = Directory(directory_actor)
     config = EngineConfig(
@@ -173,8 +188,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             out[f"{key}_rss_growth_mb"] = result["rss_growth_mb"]
             out[f"{key}_wall_s"] = result["wall_s"]
             if share:
-                out["fetches"] = importer.fetches._value.get()
-                out["imported_blocks"] = importer.imported._value.get()
+                for name in ("fetches", "imported", "import_failures", "rejected", "skipped"):
+                    out[name] = getattr(importer, name)._value.get()
         return out
 
     try:

@@ -9,13 +9,12 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.allocator import keep_freed_memory
-from engine.attention.base import select_backend
+from engine.attention.base import backend_for_model, select_backend
 from engine.block_hash import BlockHash, hash_key, hash_root
 from engine.config import EngineConfig
 from engine.cpuinfo import cpu_has_bf16
@@ -24,13 +23,13 @@ from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.kv_connector import KVConnector
 from engine.kv_fingerprint import kv_fingerprint, model_digest
 from engine.kv_transfer import KVLayoutError, block_shape, export_blocks, import_blocks
-from engine.model.config import model_config_from_hf, rope_cos_sin, rope_inv_freq
+from engine.model.config import model_config_from_hf, rope_tables
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import (
     load_hf_config,
     load_safetensors,
-    load_tokenizer,
     resolve_model,
+    resolve_tokenizer,
 )
 from engine.model_runner import ModelRunner, ScheduledSeq
 from engine.outputs import RequestDelta
@@ -121,9 +120,7 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         hf_config, generation_config = load_hf_config(self.model_dir)
         self.model_cfg = model_config_from_hf(hf_config, generation_config)
-        self.tokenizer = load_tokenizer(
-            Path(config.tokenizer) if config.tokenizer else self.model_dir
-        )
+        self.tokenizer = resolve_tokenizer(config.tokenizer, self.model_dir)
         eos = set(self.model_cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -153,12 +150,18 @@ class LLMEngine:
         self.kv_namespace = f"{self.hash_salt}|{self.kv_fingerprint}"
         self.hash_key = hash_key(config.kv_hash_key)
 
-        backend = select_backend(config.attention_backend, self.device, self.dtype)
+        chosen = select_backend(config.attention_backend, self.device, self.dtype)
+        needs_window = any(cfg.layer_window(i) for i in range(cfg.num_layers))
+        backend = backend_for_model(chosen, needs_window, cfg.attn_softcap is not None)
+        if backend is not chosen:
+            logger.info(
+                "attention: %s takes the torch backend (%s has no sliding window or soft-capping)",
+                cfg.model_type,
+                chosen.name,
+            )
         model = LlamaForCausalLM(self.model_cfg, backend, self.dtype)
         model.load_hf_weights(load_safetensors(self.model_dir))
-        inv_freq, scaling = rope_inv_freq(hf_config, self.model_cfg.head_dim)
-        cos, sin = rope_cos_sin(inv_freq, scaling, self.max_model_len)
-        model.set_rope_tables(cos, sin)
+        model.set_rope_tables(*rope_tables(hf_config, self.model_cfg, self.max_model_len))
         model.to(self.device)
         if config.prepack_weights:
             model.prepack_linear_weights()
@@ -186,10 +189,12 @@ class LLMEngine:
         self.kv_connector: KVConnector | None = None
         self._update_gauges()
         logger.info(
-            "engine ready: %s (%s, %s, attention=%s), %d KV blocks of %d tokens",
+            "engine ready: %s (%s %s, %s, forward=%s, attention=%s), %d KV blocks of %d tokens",
             self.model_dir,
+            self.model_cfg.model_type,
             self.device,
             self.dtype,
+            self.model.forward_path(),
             backend.name,
             num_blocks,
             config.block_size,

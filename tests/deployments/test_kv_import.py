@@ -48,7 +48,8 @@ def long_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def directory(serve_instance: str) -> Iterator[Directory]:
-    actor = KVDirectory.remote(capacity_bytes=256 << 20)
+    # No replica reporter heartbeats here: owners must not expire mid-test.
+    actor = KVDirectory.remote(capacity_bytes=256 << 20, owner_timeout_s=3600.0)
     yield Directory(actor)
     ray.kill(actor)
 
