@@ -535,8 +535,10 @@ def test_vllm_metrics_reach_rays_metrics_pipeline(base_url: str) -> None:
 
     from tests.deploy.observability import documented_types
 
-    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
-    assert httpx.post(f"{base_url}/v1/completions", json=body, timeout=60).status_code == 200
+    # A shared prefix of four blocks: the repeats record prefix cache hits as well.
+    for suffix in ([7], [8], [9]):
+        body = {"model": "tiny", "prompt": list(range(3000, 3064)) + suffix, "max_tokens": 4}
+        assert httpx.post(f"{base_url}/v1/completions", json=body, timeout=60).status_code == 200
     ports = [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]]
 
     def exported() -> dict[tuple[str, tuple], float]:
@@ -554,8 +556,13 @@ def test_vllm_metrics_reach_rays_metrics_pipeline(base_url: str) -> None:
     deadline = time.monotonic() + 60
     while True:
         m = exported()
-        if total(m, "ray_vllm_generation_tokens_total", model_name="tiny") > 0 and total(
-            m, "ray_vllm_e2e_request_latency_seconds_count", model_name="tiny"
+        if all(
+            total(m, f"ray_vllm_{name}", model_name="tiny") > 0
+            for name in (
+                "generation_tokens_total",
+                "prefix_cache_hits_total",
+                "e2e_request_latency_seconds_count",
+            )
         ):
             break
         assert time.monotonic() < deadline, sorted({n for n, _ in m if "vllm" in n})
