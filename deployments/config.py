@@ -166,6 +166,12 @@ class AppArgs(_Strict):
     # full max_num_batched_tokens prefill chunk of a larger model takes tens of seconds) plus
     # first-use work in it. None: no watchdog.
     engine_stall_timeout_s: float | None = Field(120.0, gt=0)
+    # One INFO line per request at the HTTP side and two at its engine replica (added, finished),
+    # each carrying the response id and x-request-id (as vLLM's --enable-log-requests).
+    enable_log_requests: bool = False
+    # Seconds between an engine replica's stats lines (running, waiting, KV usage, prefix hit
+    # ratio, tokens/s); written while the replica is busy and once when it goes idle. None: none.
+    log_stats_interval_s: float | None = Field(10.0, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> AppArgs:

@@ -29,6 +29,7 @@ import ray
 from prometheus_client import Counter, Gauge
 from ray import serve
 
+from deployments import request_logging
 from deployments.choices import choice_params, merge_streams
 from deployments.config import AppArgs
 from deployments.cpu_affinity import replica_engine_cpus, restore_priority
@@ -37,7 +38,10 @@ from deployments.fault_injection import install_stall_hook
 from deployments.kv_sharing import KVSharing
 from deployments.metrics import ReplicaMetrics
 from deployments.replica_report import ReplicaReporter, detached
+from deployments.stats_log import EngineStatsLog
+from deployments.vllm_metrics import ChoiceTimer
 from engine.async_engine import AsyncEngine, EngineDeadError, build_on_own_thread
+from engine.attention import native
 from engine.block_hash import BlockHash, compute_block_hashes
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta
@@ -62,6 +66,7 @@ def _assigned_cpus() -> int | None:
 class EngineReplica:
     def __init__(self, args: dict[str, Any]) -> None:
         self.args = AppArgs.model_validate(args)
+        request_logging.install()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.started_at = time.time()
         config = self.args.engine_config(num_threads=_assigned_cpus())
@@ -81,7 +86,9 @@ class EngineReplica:
             stall_timeout_s=self.args.engine_stall_timeout_s,
         )
         self.async_engine.on_death = self._on_engine_death
-        self.metrics = ReplicaMetrics(self.replica_id)
+        self.metrics = ReplicaMetrics(self.replica_id, self.args.model_name, ray_export=True)
+        # Loaded (or found unavailable, with a WARNING) while the engine was built.
+        self.metrics.set_native_kernels(native.unavailable_reason())
         self.num_admitted = 0
         self.admitted_peak = 0
         self.admitted_gauge = Gauge(
@@ -127,6 +134,9 @@ class EngineReplica:
             self.async_engine,
             self.metrics,
             heartbeat=None if sharing is None else sharing.heartbeat,
+            stats_log=None
+            if self.args.log_stats_interval_s is None
+            else EngineStatsLog(self.args.log_stats_interval_s, logger),
         )
 
     # -- serving ---------------------------------------------------------------------------------
@@ -140,6 +150,10 @@ class EngineReplica:
     async def generate(self, req: EngineRequest) -> AsyncIterator[StreamItem | EngineError]:
         """Stream items for one request; an error is a final ``EngineError`` item, never an
         exception, so the HTTP side can map it to an HTTP status."""
+        # This request's task (a context of its own): the ids stay bound, never reset.
+        ids = request_logging.RequestIds(req.request_id, req.x_request_id)
+        if request_logging.current() != ids:
+            request_logging.bind(ids.response_id, ids.x_request_id)
         self._ensure_reporter()
         capacity = self.capacity
         # Checked and counted with no await in between: admission is atomic on the event loop.
@@ -179,7 +193,15 @@ class EngineReplica:
             return
         params = req.sampling
         arrival = time.monotonic()
+        if self.args.enable_log_requests:
+            logger.info(
+                "engine request added: prompt_tokens=%d max_tokens=%s n=%d",
+                len(req.prompt_token_ids),
+                params.max_tokens,
+                req.n,
+            )
         first_at: float | None = None
+        timers = [ChoiceTimer(arrival) for _ in range(req.n)]
         # Each choice's latest delta; a choice is finished when its latest delta is.
         last: list[RequestDelta | None] = [None] * req.n
         timeout_s = req.timeout_s or self.args.limits.request_timeout_s
@@ -222,6 +244,7 @@ class EngineReplica:
                         break
                 if first_at is None:
                     first_at = time.monotonic()
+                timers[index].on_item(sum(len(d.new_token_ids) for d in batch))
                 last[index] = batch[-1]
                 done = all(d is not None and d.finished for d in last)
                 yield self._item(batch, index, done)
@@ -239,11 +262,23 @@ class EngineReplica:
             yield error_item(500, f"internal error: {type(e).__name__}", "internal_error")
         finally:
             await merged.aclose()
-            for delta in last:
+            for delta, timer in zip(last, timers, strict=True):
                 if delta is not None and delta.finished and first_at is not None:
                     n = delta.num_output_tokens
                     tpot = (time.monotonic() - first_at) / (n - 1) if n > 1 else None
                     self.metrics.observe_request(first_at - arrival, tpot)
+                    self.metrics.vllm.observe_finished(timer, delta)
+                    if self.args.enable_log_requests:
+                        logger.info(
+                            "engine request finished: finish_reason=%s prompt_tokens=%d "
+                            "output_tokens=%d cached_tokens=%d ttft_ms=%.1f e2e_ms=%.1f",
+                            delta.finish_reason,
+                            delta.num_prompt_tokens,
+                            delta.num_output_tokens,
+                            delta.num_cached_tokens,
+                            1000 * ((delta.first_token_time or timer.last_at) - arrival),
+                            1000 * (timer.last_at - arrival),
+                        )
 
     def _block_hashes(self, req: EngineRequest) -> list[BlockHash]:
         """The prompt's block hashes under this engine's namespace: the HTTP side's when it

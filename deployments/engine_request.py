@@ -34,6 +34,8 @@ class EngineRequest:
     # The namespace ``block_hashes`` were computed under (engine.kv_fingerprint); a replica
     # whose own differs rehashes the prompt before it looks anything up.
     kv_namespace: str | None = None
+    # The client's x-request-id header, for the replica's log lines (deployments.request_logging).
+    x_request_id: str | None = None
 
 
 @dataclass

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
+from deployments import request_logging
 from deployments.admission import Admission, Lease, LeasedStreamingResponse, gather, read_to_end
 from deployments.choices import merge_streams
 from deployments.config import AppArgs
@@ -127,6 +128,7 @@ class Generation:
                 stream=job.stream,
                 n=job.n,
                 cache_salt=job.cache_salt,
+                x_request_id=request_logging.current().x_request_id,
             )
             for i, ids in enumerate(job.prompts)
         ]

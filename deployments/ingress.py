@@ -18,6 +18,7 @@ from ray import serve
 from ray.serve import context as serve_context
 from ray.serve.handle import DeploymentHandle
 
+from deployments import request_logging
 from deployments.config import AppArgs
 from deployments.engine_request import EngineRequest
 from deployments.frontend import OpenAIFrontend, openai_routes
@@ -74,6 +75,7 @@ app, OpenAIRoutes = openai_routes()
 class Ingress(OpenAIRoutes):  # type: ignore[misc, valid-type]
     def __init__(self, engine: DeploymentHandle, args: dict[str, Any]) -> None:
         self.args = AppArgs.model_validate(args)
+        request_logging.install()
         self.engine = engine
         backend = HandleBackend(engine, by_reference=self.args.handle_transport == "actor")
         self.frontend = OpenAIFrontend(

@@ -363,7 +363,9 @@ class LLMEngine:
         if out.is_empty:
             self._update_gauges()
             return []
+        scheduled_at = time.monotonic()
         for request in out.first_scheduled:
+            request.scheduled_time = scheduled_at
             self.stats.prompt_tokens += request.num_prompt_tokens
             remote = min(request.num_remote_cached_tokens, request.num_cached_tokens)
             self.stats.cache_hit_tokens_local += request.num_cached_tokens - remote
@@ -412,6 +414,8 @@ class LLMEngine:
                     num_output_tokens=request.num_output_tokens,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     num_remote_cached_tokens=request.num_remote_cached_tokens,
+                    scheduled_time=request.scheduled_time,
+                    first_token_time=request.first_token_time,
                     stop_reason=request.stop_reason,
                     logprobs=[logprobs] if logprobs is not None else None,
                     prompt_logprobs=list(request.prompt_logprobs)

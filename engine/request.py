@@ -101,6 +101,8 @@ class Request:
         # The root of the block hash chain (engine.block_hash.hash_root; None: unnamespaced).
         self.hash_root = hash_root
         self.block_hashes: list[BlockHash] = []
+        # time.monotonic() when first scheduled (the end of its queueing; not reset by preemption).
+        self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
         # What a KV connector fetched for this request before it was added (engine.kv_connector);
         # the connector takes it when the request is added.
