@@ -68,7 +68,8 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
     started = time.monotonic()
     vocab = engine.model_cfg.vocab_size
     cfg = engine.config
-    hook, engine.on_prefill_done = engine.on_prefill_done, None
+    # Warm-up prompts are neither published to nor looked up in an external KV store.
+    connector, engine.kv_connector = engine.kv_connector, None
     # Room to generate within max_model_len and the pool, and one chunk per prefill.
     bs = cfg.block_size
     long_len = max(
@@ -97,7 +98,7 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
         _run(engine, report, ["prefill_prefix_hit", "decode_batch"], batch, sampled)
         _run_mixed(engine, report, _tokens(min(8, long_len), 500, vocab), greedy)
     finally:
-        engine.on_prefill_done = hook
+        engine.kv_connector = connector
     _forget(engine)
     report.seconds = time.monotonic() - started
     logger.info(

@@ -11,7 +11,7 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "select_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "backend_for_model", "select_backend"]
 
 
 def flash_available(device: torch.device) -> bool:
@@ -61,3 +61,17 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> Atten
 
         return TorchAttentionBackend()
     raise ValueError(f"attention_backend: unknown backend {name!r}")
+
+
+def backend_for_model(
+    backend: AttentionBackend, needs_window: bool, needs_softcap: bool
+) -> AttentionBackend:
+    """``backend``, or the reference ``torch`` backend where the model needs a sliding window or
+    soft-capping that ``backend`` does not compute."""
+    if (needs_window and not backend.supports_window) or (
+        needs_softcap and not backend.supports_softcap
+    ):
+        from engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    return backend
