@@ -15,8 +15,8 @@ Each class is a small request set pushed through ``LLMEngine.step`` to completio
   warm-up short), decoding together (the largest decode batch), sampled with seeds;
 * ``mixed``: a prefill chunk and decodes in one step.
 
-Afterwards nothing of it remains: every block is free, the prefix cache and its events are
-cleared, and the counters are those of a fresh engine (requests ids start with ``warmup-``).
+Afterwards nothing of it remains: every block is free, the prefix cache is cleared, and the
+counters are those of a fresh engine (requests ids start with ``warmup-``).
 """
 
 from __future__ import annotations
@@ -150,9 +150,8 @@ def _run_mixed(
 
 
 def _forget(engine: LLMEngine) -> None:
-    """Back to a fresh engine's state: no cached hash, no block event, zeroed counters."""
+    """Back to a fresh engine's state: no cached hash, zeroed counters."""
     pool = engine.kv.pool
     if not pool.reset_prefix_cache():
         raise RuntimeError("warm-up left blocks held")
-    pool.drain_events()
     engine.reset_counters()

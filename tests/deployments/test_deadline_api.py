@@ -65,7 +65,7 @@ def test_deadline_and_priority_reach_the_engine_request(validators, route) -> No
     assert (job.deadline_ms, job.priority) == (250, -2)
     args = validator.args
     gen = Generation(args, backend=None, admission=Admission("t", 8))
-    (req,) = gen.engine_requests(job)
+    (req,) = gen.engine_requests(job, None)
     assert (req.deadline_ms, req.priority) == (250, -2)
     # Absent: no deadline.
     job = getattr(validator, route)((completion if route == "completion" else chat)())
@@ -109,6 +109,9 @@ class DeadlineBackend:
 
     def __init__(self) -> None:
         self.opened = 0
+
+    async def kv_namespace(self) -> str | None:
+        return None
 
     def open(self, req: EngineRequest, index: int, num_prompts: int) -> Any:
         self.opened += 1
