@@ -61,9 +61,12 @@ class PolicyResult:
     seconds: float
     throughput_tok_s: float
     classes: dict[str, ClassResult]
-    # Engine steps the run took, and the mean time of one.
+    # Engine steps the run took, the mean wall time of one, and the CPU time of the engine's
+    # thread per output token (what a step costs the machine, whatever else shares it: with one
+    # torch thread all of a step's work runs on this thread).
     steps: int = 0
     step_ms: float = 0.0
+    cpu_ms_per_token: float = 0.0
 
 
 def make_trace(args: argparse.Namespace) -> list[Arrival]:
@@ -124,7 +127,7 @@ def run(engine: LLMEngine, trace: list[Arrival], args: argparse.Namespace) -> Po
     start = time.monotonic()
     first_token: dict[str, float] = {}
     tokens = 0
-    busy_s = 0.0
+    busy_s = cpu_s = 0.0
     i = 0
     while i < len(trace) or engine.has_unfinished_requests():
         now = time.monotonic()
@@ -142,7 +145,9 @@ def run(engine: LLMEngine, trace: list[Arrival], args: argparse.Namespace) -> Po
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, start + trace[i].at_s - time.monotonic()))
             continue
+        cpu = time.thread_time()
         deltas = engine.step()
+        cpu_s += time.thread_time() - cpu
         done_at = time.monotonic()
         busy_s += done_at - now
         for d in deltas:
@@ -165,7 +170,9 @@ def run(engine: LLMEngine, trace: list[Arrival], args: argparse.Namespace) -> Po
     step_ms = busy_s * 1000 / max(1, steps)
     engine.kv.pool.reset_prefix_cache()
     engine.reset_counters()
-    return PolicyResult(policy, tokens, seconds, tokens / seconds, classes, steps, step_ms)
+    return PolicyResult(
+        policy, tokens, seconds, tokens / seconds, classes, steps, step_ms, cpu_s * 1000 / tokens
+    )
 
 
 def median_result(runs: list[PolicyResult]) -> PolicyResult:
@@ -191,6 +198,7 @@ def median_result(runs: list[PolicyResult]) -> PolicyResult:
         classes,
         round(med([r.steps for r in runs])),
         med([r.step_ms for r in runs]),
+        med([r.cpu_ms_per_token for r in runs]),
     )
 
 
@@ -235,13 +243,14 @@ def main(argv: list[str] | None = None) -> None:
             runs[p].append(run(engines[p], trace, args))
     results = [median_result(runs[p]) for p in policies]
     print(
-        f"{'policy':<10} {'tok/s':>7} {'steps':>6} {'ms/step':>8} {'tight p50':>10} "
+        f"{'policy':<10} {'tok/s':>7} {'steps':>6} {'ms/step':>8} {'cpu ms/tok':>10} {'tight p50':>10} "
         f"{'tight p99':>10} {'missed':>7} {'loose p50':>10} {'loose p99':>10}"
     )
     for r in results:
         t, lo = r.classes.get("tight"), r.classes.get("loose")
         print(
             f"{r.policy:<10} {r.throughput_tok_s:>7.1f} {r.steps:>6} {r.step_ms:>8.1f} "
+            f"{r.cpu_ms_per_token:>10.2f} "
             f"{t.ttft_p50_ms if t else 0:>8.0f}ms {t.ttft_p99_ms if t else 0:>8.0f}ms "
             f"{t.missed_deadline if t else 0:>7} "
             f"{lo.ttft_p50_ms if lo else 0:>8.0f}ms {lo.ttft_p99_ms if lo else 0:>8.0f}ms"
