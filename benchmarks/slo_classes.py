@@ -1,7 +1,7 @@
 """Two latency classes under overload: the tight class's time to first token under FCFS and
 under the deadline policy, at the throughput each reaches.
 
-    python -m benchmarks.slo_classes --rate 8 --duration 15
+    python -m benchmarks.slo_classes --repeat 2
 
 Offline, in one process: an ``LLMEngine`` (no HTTP, no Ray), fed an open-loop arrival trace in
 wall-clock time, so that the queue in front of the engine is the only one measured. The trace
@@ -12,7 +12,10 @@ from ``--seed`` and replayed identically under each policy:
 * loose: a longer prompt, more output tokens, no deadline.
 
 The rate is meant to exceed what the engine serves (``--max-num-seqs`` caps the running batch),
-so a queue builds up. Every request is served to completion (nothing is rejected), and TTFT is
+so a queue builds up. The default is a burst (about 70 requests within 2 s), which overloads the
+engine whatever its speed: with a steady rate near its capacity, a machine whose speed varies
+(shared cores) is overloaded in one run and not in the next, or so slow that the tight class
+alone outruns the running slots that free up. Every request is served to completion (nothing is rejected), and TTFT is
 measured from each request's arrival in the trace, waiting included. Throughput is the output
 tokens of all requests divided by the time from the first arrival to the last token. Each
 policy has one engine, built, warmed up (``engine.warmup``) and settled by an untimed replay
@@ -207,8 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--rate", type=float, default=8.0, help="arrivals per second")
-    ap.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals")
+    ap.add_argument("--rate", type=float, default=40.0, help="arrivals per second")
+    ap.add_argument("--duration", type=float, default=2.0, help="seconds of arrivals")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--tight-share", type=float, default=0.25)
