@@ -20,6 +20,9 @@ LEGAL = {
     (S.RUNNING, S.FINISHED_ABORTED),
     (S.PREEMPTED, S.RUNNING),
     (S.PREEMPTED, S.FINISHED_ABORTED),
+    # A deadline missed before the first token (the scheduler's early rejection).
+    (S.WAITING, S.FINISHED_REJECTED),
+    (S.PREEMPTED, S.FINISHED_REJECTED),
 }
 # A path from WAITING to each state, through legal transitions only.
 PATHS = {
@@ -29,6 +32,7 @@ PATHS = {
     S.FINISHED_STOPPED: [S.RUNNING, S.FINISHED_STOPPED],
     S.FINISHED_LENGTH: [S.RUNNING, S.FINISHED_LENGTH],
     S.FINISHED_ABORTED: [S.FINISHED_ABORTED],
+    S.FINISHED_REJECTED: [S.FINISHED_REJECTED],
 }
 
 
@@ -64,8 +68,8 @@ def test_illegal_transitions_raise(src, dst):
 
 
 def test_finish_reasons():
-    assert [s.finish_reason for s in S] == [None, None, None, "stop", "length", "abort"]
-    assert [s.is_finished for s in S] == [False, False, False, True, True, True]
+    assert [s.finish_reason for s in S] == [None, None, None, "stop", "length", "abort", "rejected"]
+    assert [s.is_finished for s in S] == [False, False, False, True, True, True, True]
     assert request_in(S.FINISHED_LENGTH).finish_reason == "length"
 
 
