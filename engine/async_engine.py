@@ -355,6 +355,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
+    def _stamp_progress(self) -> None:
+        self._busy_since = time.monotonic()
+
     def _pin(self) -> None:
         if self.cpus is None:
             return
@@ -368,8 +371,9 @@ class AsyncEngine:
         self._pin()
         try:
             if self._warm_up:
-                self._busy_since = time.monotonic()  # the watchdog covers the warm-up too
-                self.warmup_report = warm_up(self.engine)
+                # The watchdog covers the warm-up too, one step at a time.
+                self._busy_since = time.monotonic()
+                self.warmup_report = warm_up(self.engine, on_step=self._stamp_progress)
             self._ready.set()
             while not self._stop.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished_requests())

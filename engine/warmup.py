@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
@@ -60,8 +61,9 @@ def _tokens(n: int, start: int, vocab: int) -> list[int]:
     return [low + (start + 7919 * i) % span for i in range(n)]
 
 
-def warm_up(engine: LLMEngine) -> WarmupReport:
-    """Run every shape class once on ``engine``, which must be idle; leaves it as it was."""
+def warm_up(engine: LLMEngine, on_step: Callable[[], None] | None = None) -> WarmupReport:
+    """Run every shape class once on ``engine``, which must be idle; leaves it as it was.
+    ``on_step`` is called after each engine step (a watchdog's sign of progress)."""
     if engine.has_unfinished_requests():
         raise RuntimeError("warm-up needs an idle engine")
     report = WarmupReport()
@@ -84,7 +86,7 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
     greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     long_prompt = _tokens(long_len, 1, vocab)
     try:
-        _run(engine, report, ["prefill_long", "decode_1"], [long_prompt], greedy)
+        _run(engine, report, on_step, ["prefill_long", "decode_1"], [long_prompt], greedy)
         # Without prefix caching nothing is shared: every prompt is short.
         prefix_len = (long_len - 1) // bs * bs if cfg.enable_prefix_caching else 0
         prefix = long_prompt[:prefix_len]
@@ -95,8 +97,8 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
             prefix + _tokens(bs if i < 2 or not prefix else 1, 100 + i, vocab) for i in range(n)
         ]
         sampled = [SamplingParams(max_tokens=3, temperature=1.0, seed=i) for i in range(n)]
-        _run(engine, report, ["prefill_prefix_hit", "decode_batch"], batch, sampled)
-        _run_mixed(engine, report, _tokens(min(8, long_len), 500, vocab), greedy)
+        _run(engine, report, on_step, ["prefill_prefix_hit", "decode_batch"], batch, sampled)
+        _run_mixed(engine, report, on_step, _tokens(min(8, long_len), 500, vocab), greedy)
     finally:
         engine.kv_connector = connector
     _forget(engine)
@@ -115,37 +117,47 @@ def _add(
     report.requests += 1
 
 
-def _drain(engine: LLMEngine, report: WarmupReport) -> None:
+def _step(engine: LLMEngine, report: WarmupReport, on_step: Callable[[], None] | None) -> None:
+    engine.step()
+    report.steps += 1
+    if on_step is not None:
+        on_step()
+
+
+def _drain(engine: LLMEngine, report: WarmupReport, on_step: Callable[[], None] | None) -> None:
     for _ in range(MAX_STEPS):
         if not engine.has_unfinished_requests():
             return
-        engine.step()
-        report.steps += 1
+        _step(engine, report, on_step)
     raise RuntimeError("warm-up did not finish")
 
 
 def _run(
     engine: LLMEngine,
     report: WarmupReport,
+    on_step: Callable[[], None] | None,
     classes: list[str],
     prompts: list[list[int]],
     params: SamplingParams | list[SamplingParams],
 ) -> None:
     for i, prompt in enumerate(prompts):
         _add(engine, report, prompt, params[i] if isinstance(params, list) else params)
-    _drain(engine, report)
+    _drain(engine, report, on_step)
     report.shape_classes += classes
 
 
 def _run_mixed(
-    engine: LLMEngine, report: WarmupReport, prompt: list[int], params: SamplingParams
+    engine: LLMEngine,
+    report: WarmupReport,
+    on_step: Callable[[], None] | None,
+    prompt: list[int],
+    params: SamplingParams,
 ) -> None:
     """One request decoding while a second one's prompt is computed in the same step."""
     _add(engine, report, prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    engine.step()
-    report.steps += 1
+    _step(engine, report, on_step)
     _add(engine, report, list(reversed(prompt)), params)
-    _drain(engine, report)
+    _drain(engine, report, on_step)
     report.shape_classes.append("mixed")
 
 

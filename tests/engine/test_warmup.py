@@ -81,6 +81,13 @@ def test_warm_up_leaves_a_fresh_engine(engine, tiny_llama) -> None:
     assert engine.stats.prompt_tokens == 37 and engine.stats.num_steps > 0
 
 
+def test_warm_up_reports_each_step(engine) -> None:
+    calls = []
+    report = warm_up(engine, on_step=lambda: calls.append(engine.stats.num_steps))
+    # Called after every step, in order (the counters are reset only at the end).
+    assert calls == list(range(1, report.steps + 1))
+
+
 def test_warm_up_refuses_a_busy_engine(engine) -> None:
     engine.add_request("busy", tokens(5, 0), SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="idle"):
@@ -92,11 +99,11 @@ def gated_warm_up(monkeypatch) -> Iterator[tuple[threading.Event, threading.Even
     """The engine thread's warm-up, held at its start until ``release`` is set."""
     started, release, threads = threading.Event(), threading.Event(), []
 
-    def gated(engine: LLMEngine):  # noqa: ANN202
+    def gated(engine: LLMEngine, on_step=None):  # noqa: ANN001, ANN202
         threads.append(threading.current_thread().name)
         started.set()
         assert release.wait(DEADLINE_S)
-        return warm_up(engine)
+        return warm_up(engine, on_step=on_step)
 
     monkeypatch.setattr(async_engine_module, "warm_up", gated)
     yield started, release, threads
