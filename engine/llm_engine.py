@@ -351,11 +351,11 @@ class LLMEngine:
         params = request.sampling_params
         reached_min = request.num_output_tokens >= params.min_tokens
         stop_str = request.detokenizer.append(token, reached_min) if request.detokenizer else None
-        if request.grammar is not None:
-            # The sampler only offers tokens the grammar allows; once it is complete (it then
-            # allows only EOS) or, defensively, rejects a token, the output is done.
-            if not request.grammar.consume_token(token) or request.grammar.is_stopped():
-                return RequestStatus.FINISHED_STOPPED
+        # The sampler only offers tokens the grammar allows; once it is complete (it then allows
+        # only EOS) or, defensively, rejects a token, the output is done.
+        grammar = request.grammar
+        if grammar is not None and (not grammar.consume_token(token) or grammar.is_stopped()):
+            return RequestStatus.FINISHED_STOPPED
         # Before min_tokens, the sampler cannot pick EOS or stop tokens and stop strings wait.
         if reached_min:
             if not params.ignore_eos and token in request.eos_token_ids:
