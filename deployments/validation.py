@@ -20,8 +20,9 @@ from pydantic import BaseModel, ValidationError
 
 from deployments.config import AppArgs
 from deployments.http_errors import HTTPError, validation_message
-from deployments.openai_format import Echo, ResponseBuilder
+from deployments.openai_format import Echo, ResponseBuilder, ToolParsing
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from deployments.tool_calls import detect_format
 from engine.model.config import model_config_from_hf
 from engine.model.loader import load_hf_config, load_tokenizer, resolve_model
 from engine.sampling_params import SamplingParams
@@ -115,6 +116,7 @@ class RequestValidator:
         try:
             ids = self.tokenizer.apply_chat_template(
                 req.conversation(),
+                tools=req.tool_definitions(),
                 add_generation_prompt=req.add_generation_prompt,
                 tokenize=True,
                 return_dict=False,
@@ -122,6 +124,17 @@ class RequestValidator:
         except Exception as e:  # noqa: BLE001 - template errors are the client's input
             raise HTTPError(400, f"messages: chat template failed: {e}", param="messages") from e
         return list(ids)
+
+    def _tool_parsing(self, req: ChatCompletionRequest) -> ToolParsing | None:
+        """How the output becomes ``tool_calls``: None when no call can be made."""
+        choice = req.tool_choice_name
+        if choice in (None, "none"):
+            return None
+        if choice == "auto":
+            return ToolParsing(detect_format(getattr(self.tokenizer, "chat_template", None)))
+        if choice == "required":
+            return ToolParsing("required")
+        return ToolParsing("named", choice)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         for name, ids in (
@@ -222,6 +235,7 @@ class RequestValidator:
             self.tokenizer,
             req.n,
             report_cached=self.args.report_cache_hits,
+            tools=self._tool_parsing(req),
         )
         return self._job(req, [prompt_ids], params, builder)
 
