@@ -173,8 +173,10 @@ class ToolCallStream:
             self.held = self._may_be_call()
         if self.held:
             return "", []
-        # Hold back a tail that could be the start of a marker still arriving.
+        # Hold back a tail that could be the start of a marker still arriving, and blanks that
+        # may turn out to precede one (content ends before them).
         safe = len(self.text) - _partial_marker(self.text)
+        safe = len(self.text[:safe].rstrip())
         out = self.text[self.sent : safe]
         self.sent = max(self.sent, safe)
         return out, []
