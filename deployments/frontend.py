@@ -89,16 +89,38 @@ class OpenAIFrontend:
         job = self.validator.chat(await self.read_json(request))
         return await self.generation.run(job)
 
-    def models(self, request: Request) -> JSONResponse:
-        self.check_auth(request)
-        model = {
+    def _model_card(self) -> dict[str, Any]:
+        return {
             "id": self.validator.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "prefixserve",
             "max_model_len": self.validator.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [model]})
+
+    def models(self, request: Request) -> JSONResponse:
+        self.check_auth(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    def model(self, request: Request, model_id: str) -> JSONResponse:
+        """OpenAI's ``GET /v1/models/{model}``: the model's card, or 404."""
+        self.check_auth(request)
+        if model_id != self.validator.model_name:
+            raise HTTPError(
+                404,
+                f"The model {model_id!r} does not exist",
+                param="model",
+                code="model_not_found",
+            )
+        return JSONResponse(self._model_card())
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        self.check_auth(request)
+        return JSONResponse(self.validator.tokenize(await self.read_json(request)))
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        self.check_auth(request)
+        return JSONResponse(self.validator.detokenize(await self.read_json(request)))
 
     async def health(self, request: Request) -> JSONResponse:
         """200 when every engine replica can serve, else 503; from the cached verdict."""
@@ -137,6 +159,18 @@ def openai_routes() -> tuple[FastAPI, type]:
         @app.get("/v1/models")
         async def models(self, request: Request) -> JSONResponse:
             return self.frontend.models(request)
+
+        @app.get("/v1/models/{model_id:path}")
+        async def model(self, request: Request, model_id: str) -> JSONResponse:
+            return self.frontend.model(request, model_id)
+
+        @app.post("/tokenize")
+        async def tokenize(self, request: Request) -> JSONResponse:
+            return await self.frontend.tokenize(request)
+
+        @app.post("/detokenize")
+        async def detokenize(self, request: Request) -> JSONResponse:
+            return await self.frontend.detokenize(request)
 
         @app.get("/health")
         async def health(self, request: Request) -> JSONResponse:

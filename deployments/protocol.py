@@ -381,13 +381,12 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class Conversation(BaseModel):
+    """Messages and tools, as the chat template receives them."""
+
+    model_config = ConfigDict(extra="ignore")
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: Int64 | None = None
-    logprobs: StrictBool = False
-    top_logprobs: Int64 | None = None
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     add_generation_prompt: StrictBool = True
 
     @field_validator("messages", mode="before")
@@ -427,6 +426,13 @@ class ChatCompletionRequest(_SamplingFields):
         if not self.tools:
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+class ChatCompletionRequest(Conversation, _SamplingFields):
+    max_completion_tokens: Int64 | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Int64 | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     @property
     def tool_choice_name(self) -> str | None:
@@ -469,6 +475,31 @@ class ChatCompletionRequest(_SamplingFields):
             if e.param == "max_tokens":
                 e.param = field
             raise
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """``POST /tokenize`` with a prompt (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str = Field(max_length=MAX_MESSAGE_CHARS)
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(Conversation):
+    """``POST /tokenize`` with messages: the chat template's tokens, special tokens added only by
+    the template unless ``add_special_tokens``."""
+
+    model: str | None = None
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_MESSAGE_CHARS)]
 
 
 def _loads(call: FunctionCall) -> Any:
