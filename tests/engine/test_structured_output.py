@@ -160,3 +160,20 @@ def test_exactly_one_constraint_and_bad_ones_fail() -> None:
     ):
         with pytest.raises(ValueError):
             bad.check()
+
+
+def test_min_tokens_holds_back_an_optional_end(llm: LLM) -> None:
+    """Where the grammar may end or go on, min_tokens keeps it going; a complete grammar ends
+    the output (nothing else is allowed) whatever min_tokens says."""
+    spec = StructuredOutputs(regex=r"[a-z ]{1,60}")
+    for seed in range(3):
+        [out] = llm.generate(
+            [PROMPT],
+            SamplingParams(temperature=1.0, seed=seed, min_tokens=5, structured_outputs=spec),
+        )
+        assert len(out.token_ids) >= 5 and re.fullmatch(r"[a-z ]{1,60}", out.text)
+    [out] = llm.generate(
+        [PROMPT],
+        SamplingParams(min_tokens=6, structured_outputs=StructuredOutputs(choice=["yes"])),
+    )
+    assert out.text == "yes" and out.finish_reason == "stop"
