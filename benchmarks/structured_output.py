@@ -7,6 +7,9 @@ holding an array of exactly 100 small integers) needs more than 128 tokens to co
 constrained request also ends at 128 tokens: both runs produce the same number of tokens in
 batches of the same size, and the difference is the cost of the masks and grammar advances.
 Runs alternate (unconstrained, constrained, ...) so drifting machine load hits both alike.
+On a shared machine whole-run throughput swings with other work, so the run also times the
+masking itself (``engine.sampler.apply_token_masks``, wrapped here): its share of each
+constrained run's wall time is the slowdown every row of those steps paid.
 Prints output tokens/s per run and one ``SUMMARY`` JSON line.
 """
 
@@ -20,6 +23,7 @@ from typing import Any
 
 import torch
 
+import engine.sampler
 from benchmarks import engine_workloads as wl
 from benchmarks.offline import greedy, make_llm
 
@@ -36,6 +40,21 @@ SCHEMA = {
     "required": ["readings"],
     "additionalProperties": False,
 }
+
+
+class MaskTimer:
+    """Seconds spent applying grammar masks, and how many batches were masked."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self._inner = engine.sampler.apply_token_masks
+
+    def __call__(self, *args: Any) -> None:
+        start = time.perf_counter()
+        self._inner(*args)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
 
 
 def timed(llm: Any, prompts: list[list[int]], params: list[Any]) -> tuple[float, float, list]:
@@ -71,9 +90,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for i, p in enumerate(plain)
     ]
     runs: dict[str, list[tuple[float, float]]] = {"none": [], "json_schema": []}
+    timer = MaskTimer()
+    engine.sampler.apply_token_masks = timer
+    mask_shares: list[float] = []
+    steps = []
     for _ in range(args.repeat):
         for name, params in (("none", plain), ("json_schema", mixed)):
+            before, calls, num_steps = timer.seconds, timer.calls, llm.engine.stats.num_steps
             wall, cpu, outs = timed(llm, work.prompts, params)
+            if name == "json_schema":
+                mask_shares.append((timer.seconds - before) / wall)
+                steps.append(
+                    (
+                        llm.engine.stats.num_steps - num_steps,
+                        timer.calls - calls,
+                        wall,
+                        timer.seconds - before,
+                    )
+                )
             if sum(len(o.token_ids) for o in outs) != work.num_output_tokens:
                 raise RuntimeError(f"{name}: a request stopped before max_tokens")
             for o, p in zip(outs, params, strict=True):
@@ -98,7 +132,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
     ratio = results["json_schema"]["tok_s_median"] / results["none"]["tok_s_median"]
     results["median_ratio"] = round(ratio, 3)
+    results["mask_share_of_wall"] = [round(x, 4) for x in mask_shares]
+    results["ms_per_step"] = [round(1000 * w / n, 2) for n, _, w, _ in steps]
+    results["mask_ms_per_masked_step"] = [round(1000 * m / c, 3) for _, c, _, m in steps if c]
     print(f"json_schema / none (median): {ratio:.3f}", flush=True)
+    print(
+        f"masking: {100 * max(mask_shares):.2f}% of a constrained run's wall time at most; "
+        f"{results['mask_ms_per_masked_step']} ms per masked step, "
+        f"steps of {results['ms_per_step']} ms",
+        flush=True,
+    )
     print("SUMMARY " + json.dumps(results), flush=True)
     return results
 

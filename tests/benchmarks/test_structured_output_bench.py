@@ -25,3 +25,5 @@ def test_benchmark_reports_both_runs(tiny_llama_with_tokenizer: Path) -> None:
     )
     assert results["none"]["tok_s_best"] > 0 and results["json_schema"]["tok_s_best"] > 0
     assert results["median_ratio"] > 0
+    # The constrained run did mask rows (the instrument saw every masked batch).
+    assert len(results["mask_ms_per_masked_step"]) == 1 and results["mask_share_of_wall"][0] > 0
