@@ -177,3 +177,31 @@ def test_min_tokens_holds_back_an_optional_end(llm: LLM) -> None:
         SamplingParams(min_tokens=6, structured_outputs=StructuredOutputs(choice=["yes"])),
     )
     assert out.text == "yes" and out.finish_reason == "stop"
+
+
+def test_masks_match_the_librarys_own(llm: LLM) -> None:
+    """The sampler's masking agrees with llguidance's reference (numpy) on the listed rows and
+    leaves the others alone."""
+    import llguidance.numpy as lnp
+    import numpy as np
+    import torch
+
+    from engine.structured_output import apply_token_masks
+
+    compiler = llm.engine.grammars
+    matchers = [
+        compiler.matcher(StructuredOutputs(regex=r"[0-9]+")),
+        compiler.matcher(StructuredOutputs(json={"type": "object"})),
+    ]
+    vocab = llm.engine.model_cfg.vocab_size
+    logits = torch.randn(4, vocab)
+    ours = logits.clone()
+    apply_token_masks(ours, [1, 3], matchers)
+    expected = logits.numpy().copy()
+    for row, m in zip([1, 3], matchers, strict=True):
+        mask = lnp.allocate_token_bitmask(1, vocab)
+        lnp.fill_next_token_bitmask(m, mask, 0)
+        lnp.apply_token_bitmask_inplace(expected[row : row + 1], mask)
+    np.testing.assert_array_equal(ours.numpy(), expected)
+    assert torch.equal(ours[[0, 2]], logits[[0, 2]])
+    assert 0 < int(torch.isfinite(ours[1]).sum()) < vocab
