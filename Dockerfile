@@ -32,7 +32,18 @@ ENV PREFIXSERVE_CACHE_DIR=/home/ray/prefixserve-cache \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# The base image runs as the unprivileged user `ray` (its Python is ~/anaconda3).
+# A C compiler for the engine's native CPU kernels (engine/attention/native.py). They are
+# compiled at first use with -march=native for the CPU the Pod runs on, so the image carries the
+# compiler rather than one prebuilt binary; without it every step would run the slower PyTorch
+# path. Ray's images run as the unprivileged user `ray` (its Python is ~/anaconda3).
+USER root
+RUN set -eux; \
+    apt-get update; \
+    apt-get install -y --no-install-recommends gcc libc6-dev; \
+    rm -rf /var/lib/apt/lists/*; \
+    cc --version
+USER ray
+
 COPY --chown=ray:users pyproject.toml README.md /tmp/prefixserve/
 COPY --chown=ray:users engine /tmp/prefixserve/engine
 COPY --chown=ray:users router /tmp/prefixserve/router
@@ -64,5 +75,10 @@ RUN set -eux; \
 # Engine replicas then find it converted and start without touching the network.
 RUN python -c "from engine.model.loader import resolve_model; print(resolve_model('smollm2-135m-instruct'))" \
     && test -f "${PREFIXSERVE_CACHE_DIR}/models/smollm2-135m-instruct/.complete"
+
+# The build fails here unless the native kernels compile and load in this image (compiler,
+# headers, OpenMP, the sources shipped in the package); the library built for this machine's CPU
+# stays in the cache, where a Pod on another CPU builds its own beside it.
+RUN python -c "import sys; from engine.attention import native; reason = native.unavailable_reason(); sys.exit(f'native kernels unavailable: {reason}') if reason else print('native kernels: ok')"
 
 WORKDIR /home/ray

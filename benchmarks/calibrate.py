@@ -217,7 +217,7 @@ def measure_transfer(e: _Engine, repeats: int) -> dict[str, Any]:
 
     from deployments.kv_sharing import from_numpy, to_numpy
     from engine.block_hash import compute_block_hashes
-    from engine.kv_transfer import export_blocks, import_blocks
+    from engine.kv_transfer import import_blocks
 
     engine = e.engine
     bs = engine.block_size
@@ -227,13 +227,13 @@ def measure_transfer(e: _Engine, repeats: int) -> dict[str, Any]:
             prompt = e.tokens(n * bs + 1)
             e.add(prompt, max_tokens=1)
             e.drain()
-            request_hashes = compute_block_hashes(prompt, bs, engine.hash_salt)
-            found, kv = export_blocks(engine, request_hashes[:n])
+            request_hashes = compute_block_hashes(prompt, bs, engine.hash_root())
+            found, kv = engine.export_prefix(request_hashes[:n])
             arr = to_numpy(kv)
             fresh = [int(h) ^ 0x5A5A5A5A5A5A5A5A for h in found]
             start = time.perf_counter()
             kv_in = torch.stack([from_numpy(arr[i], engine.dtype) for i in range(len(fresh))])
-            import_blocks(engine, fresh, kv_in)
+            import_blocks(engine.kv, engine.runner, fresh, kv_in)
             rows.append((len(fresh), time.perf_counter() - start))
     x = np.array([[1.0, n] for n, _ in rows])
     y = np.array([t for _, t in rows])

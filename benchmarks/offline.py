@@ -98,7 +98,7 @@ def reset_prefix_cache(llm: Any) -> None:
         reset()
         return
     # A unique salt per repeat makes every earlier hash unreachable.
-    llm.engine.hash_salt = f"{llm.engine.hash_salt}#{time.perf_counter_ns()}"
+    llm.engine.kv_namespace = f"{llm.engine.kv_namespace}#{time.perf_counter_ns()}"
 
 
 def run_batch1(llm: Any, repeat: int, sampling: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -7,6 +7,7 @@ otherwise). A ``deployments`` entry in ``serve_config.yaml`` still overrides any
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from ray import serve
@@ -134,6 +135,9 @@ def build(
 ) -> Application:
     """The application graph; the options override deployment settings (replicas, CPUs) for
     programmatic use, where ``serve_config.yaml``'s ``deployments`` section is absent."""
+    if args.kv_hash_key is None:
+        # One secret per build, shared by every deployment of the application.
+        args = args.model_copy(update={"kv_hash_key": secrets.token_hex(16)})
     plain = args.model_dump()
     if args.layout == "direct":
         server = engine_server_deployment(args)

@@ -63,6 +63,11 @@ class KVSharingArgs(_Strict):
     eviction: Literal["lru", "fifo"] = "lru"
     min_blocks: int = Field(4, ge=1)
     fetch_timeout_s: float = Field(5.0, gt=0)
+    # Blocks per published object: eviction from the directory (and so from the object store)
+    # frees whole objects, so smaller objects track the byte budget more finely.
+    max_blocks_per_object: int = Field(32, ge=1)
+    # Bytes one replica fetches from the object store at once; past it, prompts recompute.
+    max_import_bytes: int = Field(512 << 20, gt=0)
 
 
 class LimitsArgs(_Strict):
@@ -101,8 +106,13 @@ class LimitsArgs(_Strict):
     # Seconds sent in Retry-After with every 429 and 503.
     retry_after_s: int = Field(1, ge=0)
     # Wall-clock limit per request at the engine replica; an expired request ends with
-    # finish_reason "timeout".
-    request_timeout_s: float | None = Field(None, gt=0)
+    # finish_reason "timeout". The default is far above what a request of max_tokens takes on a
+    # busy CPU, and still ends one that nobody reads (a stalled client keeps its sequence in the
+    # batch otherwise). None: no limit.
+    request_timeout_s: float | None = Field(900.0, gt=0)
+    # Seconds the whole request body may take to arrive; a client that sends it slower (or never
+    # finishes it) gets a 408 and frees its slot.
+    body_read_timeout_s: float = Field(30.0, gt=0)
 
 
 class AppArgs(_Strict):
@@ -126,6 +136,11 @@ class AppArgs(_Strict):
     # Bearer token required on every route but /ping (the liveness probe's); also read from
     # PREFIXSERVE_API_KEY.
     api_key: str | None = None
+    # Secret that keys the block hashes (engine.block_hash), so that no client can compute one
+    # offline and search for a prefix that collides with another tenant's. None: a fresh one is
+    # generated each time the application is built (deployments.app.build); set it to keep
+    # hashes stable across deploys.
+    kv_hash_key: str | None = Field(None, min_length=16)
     # False: responses leave out usage.prompt_tokens_details.cached_tokens and the
     # x-engine-replica header, which tell a client whether another client's prompt is cached
     # (tenants that must not learn that also send distinct cache_salt values).
@@ -151,6 +166,12 @@ class AppArgs(_Strict):
     # full max_num_batched_tokens prefill chunk of a larger model takes tens of seconds) plus
     # first-use work in it. None: no watchdog.
     engine_stall_timeout_s: float | None = Field(120.0, gt=0)
+    # One INFO line per request at the HTTP side and two at its engine replica (added, finished),
+    # each carrying the response id and x-request-id (as vLLM's --enable-log-requests).
+    enable_log_requests: bool = False
+    # Seconds between an engine replica's stats lines (running, waiting, KV usage, prefix hit
+    # ratio, tokens/s); written while the replica is busy and once when it goes idle. None: none.
+    log_stats_interval_s: float | None = Field(10.0, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> AppArgs:
@@ -172,4 +193,6 @@ class AppArgs(_Strict):
         options = self.engine.model_dump()
         if options["num_threads"] is None:
             options["num_threads"] = num_threads
-        return EngineConfig(model=self.model, tokenizer=self.tokenizer, **options)
+        return EngineConfig(
+            model=self.model, tokenizer=self.tokenizer, kv_hash_key=self.kv_hash_key, **options
+        )

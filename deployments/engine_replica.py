@@ -29,6 +29,7 @@ import ray
 from prometheus_client import Counter, Gauge
 from ray import serve
 
+from deployments import request_logging
 from deployments.choices import choice_params, merge_streams
 from deployments.config import AppArgs
 from deployments.cpu_affinity import replica_engine_cpus, restore_priority
@@ -36,8 +37,12 @@ from deployments.engine_request import EngineError, EngineRequest, StreamItem, e
 from deployments.fault_injection import install_stall_hook
 from deployments.kv_sharing import KVSharing
 from deployments.metrics import ReplicaMetrics
-from deployments.replica_report import ReplicaReporter, call, detached
+from deployments.replica_report import ReplicaReporter, detached
+from deployments.stats_log import EngineStatsLog
+from deployments.vllm_metrics import ChoiceTimer
 from engine.async_engine import AsyncEngine, EngineDeadError, build_on_own_thread
+from engine.attention import native
+from engine.block_hash import BlockHash, compute_block_hashes
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta
 
@@ -61,6 +66,7 @@ def _assigned_cpus() -> int | None:
 class EngineReplica:
     def __init__(self, args: dict[str, Any]) -> None:
         self.args = AppArgs.model_validate(args)
+        request_logging.install()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.started_at = time.time()
         config = self.args.engine_config(num_threads=_assigned_cpus())
@@ -80,8 +86,9 @@ class EngineReplica:
             stall_timeout_s=self.args.engine_stall_timeout_s,
         )
         self.async_engine.on_death = self._on_engine_death
-        self.async_engine.start()
-        self.metrics = ReplicaMetrics(self.replica_id)
+        self.metrics = ReplicaMetrics(self.replica_id, self.args.model_name, ray_export=True)
+        # Loaded (or found unavailable, with a WARNING) while the engine was built.
+        self.metrics.set_native_kernels(native.unavailable_reason())
         self.num_admitted = 0
         self.admitted_peak = 0
         self.admitted_gauge = Gauge(
@@ -107,9 +114,9 @@ class EngineReplica:
         self.admitted_peak_gauge.labels(replica=self.replica_id).set(0)
         self.rejected.labels(replica=self.replica_id)
         self.coalesce_s = self.args.stream_interval_ms / 1000.0
-        self._routing_stats: dict[str, Any] = self._routing_snapshot(self.engine)
         self.kv_sharing: KVSharing | None = None
         if self.args.kv_sharing.enabled:
+            # Before the engine thread starts: it becomes the engine's KV connector.
             self.kv_sharing = KVSharing(
                 self.replica_id,
                 self.async_engine,
@@ -117,6 +124,8 @@ class EngineReplica:
                 _LazyActor(KV_DIRECTORY_ACTOR),
                 self.metrics,
             )
+        self._routing_stats: dict[str, Any] = self._routing_snapshot(self.engine)
+        self.async_engine.start()
         sharing = self.kv_sharing
         self.reporter = ReplicaReporter(
             self.replica_id,
@@ -124,9 +133,10 @@ class EngineReplica:
             self.engine,
             self.async_engine,
             self.metrics,
-            heartbeat=None
-            if sharing is None
-            else lambda: sharing.directory.heartbeat.remote(self.replica_id),
+            heartbeat=None if sharing is None else sharing.heartbeat,
+            stats_log=None
+            if self.args.log_stats_interval_s is None
+            else EngineStatsLog(self.args.log_stats_interval_s, logger),
         )
 
     # -- serving ---------------------------------------------------------------------------------
@@ -140,6 +150,10 @@ class EngineReplica:
     async def generate(self, req: EngineRequest) -> AsyncIterator[StreamItem | EngineError]:
         """Stream items for one request; an error is a final ``EngineError`` item, never an
         exception, so the HTTP side can map it to an HTTP status."""
+        # This request's task (a context of its own): the ids stay bound, never reset.
+        ids = request_logging.RequestIds(req.request_id, req.x_request_id)
+        if request_logging.current() != ids:
+            request_logging.bind(ids.response_id, ids.x_request_id)
         self._ensure_reporter()
         capacity = self.capacity
         # Checked and counted with no await in between: admission is atomic on the event loop.
@@ -179,21 +193,24 @@ class EngineReplica:
             return
         params = req.sampling
         arrival = time.monotonic()
+        if self.args.enable_log_requests:
+            logger.info(
+                "engine request added: prompt_tokens=%d max_tokens=%s n=%d",
+                len(req.prompt_token_ids),
+                params.max_tokens,
+                req.n,
+            )
         first_at: float | None = None
+        timers = [ChoiceTimer(arrival) for _ in range(req.n)]
         # Each choice's latest delta; a choice is finished when its latest delta is.
         last: list[RequestDelta | None] = [None] * req.n
         timeout_s = req.timeout_s or self.args.limits.request_timeout_s
-        before_add = None
+        fetched = None
         # Imported KV, like cached KV, has no logits: prompt logprobs compute the whole prompt.
-        if self.kv_sharing is not None and req.block_hashes and params.prompt_logprobs is None:
-            plan = await detached(
-                self.kv_sharing.plan_import(len(req.prompt_token_ids), req.block_hashes)
+        if self.kv_sharing is not None and params.prompt_logprobs is None:
+            fetched = await self.kv_sharing.prefetch(
+                len(req.prompt_token_ids), self._block_hashes(req)
             )
-            if plan is not None:
-                sharing = self.kv_sharing
-
-                def before_add(request: Any) -> None:
-                    sharing.install(plan, request)
 
         streams = [
             self.async_engine.generate(
@@ -202,9 +219,9 @@ class EngineReplica:
                 choice_params(params, k),
                 priority=req.priority,
                 coalesce_s=self.coalesce_s if req.stream else NON_STREAMING_COALESCE_S,
-                # The other choices find the imported blocks in the prefix cache.
-                before_add=before_add if k == 0 else None,
                 cache_salt=req.cache_salt,
+                # The other choices find the imported blocks in the prefix cache.
+                kv_transfer=fetched if k == 0 else None,
             )
             for k in range(req.n)
         ]
@@ -227,6 +244,7 @@ class EngineReplica:
                         break
                 if first_at is None:
                     first_at = time.monotonic()
+                timers[index].on_item(sum(len(d.new_token_ids) for d in batch))
                 last[index] = batch[-1]
                 done = all(d is not None and d.finished for d in last)
                 yield self._item(batch, index, done)
@@ -244,11 +262,35 @@ class EngineReplica:
             yield error_item(500, f"internal error: {type(e).__name__}", "internal_error")
         finally:
             await merged.aclose()
-            for delta in last:
+            for delta, timer in zip(last, timers, strict=True):
                 if delta is not None and delta.finished and first_at is not None:
                     n = delta.num_output_tokens
                     tpot = (time.monotonic() - first_at) / (n - 1) if n > 1 else None
                     self.metrics.observe_request(first_at - arrival, tpot)
+                    self.metrics.vllm.observe_finished(timer, delta)
+                    if self.args.enable_log_requests:
+                        logger.info(
+                            "engine request finished: finish_reason=%s prompt_tokens=%d "
+                            "output_tokens=%d cached_tokens=%d ttft_ms=%.1f e2e_ms=%.1f",
+                            delta.finish_reason,
+                            delta.num_prompt_tokens,
+                            delta.num_output_tokens,
+                            delta.num_cached_tokens,
+                            1000 * ((delta.first_token_time or timer.last_at) - arrival),
+                            1000 * (timer.last_at - arrival),
+                        )
+
+    def _block_hashes(self, req: EngineRequest) -> list[BlockHash]:
+        """The prompt's block hashes under this engine's namespace: the HTTP side's when it
+        hashed under the same one (the normal case), else computed here."""
+        if req.kv_namespace == self.engine.kv_namespace:
+            return req.block_hashes
+        root = self.engine.hash_root(req.cache_salt)
+        return compute_block_hashes(req.prompt_token_ids, self.engine.block_size, root)
+
+    def kv_namespace(self) -> str:
+        """The namespace of this engine's block hashes (``engine.kv_fingerprint``)."""
+        return self.engine.kv_namespace
 
     def _item(self, batch: list[RequestDelta], index: int = 0, done: bool = True) -> StreamItem:
         """One stream item: choice ``index``'s new tokens; ``finished`` ends the choice, ``done``
@@ -314,6 +356,9 @@ class EngineReplica:
             "kv_total_blocks": engine.kv.pool.num_blocks,
             "cached_block_hashes": engine.kv.pool.cached_hashes(),
             "reported_at": time.time(),
+            "transfer_cost_ratio": None
+            if self.kv_sharing is None
+            else self.kv_sharing.transfer_cost_ratio(),
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:
@@ -354,8 +399,8 @@ class EngineReplica:
     async def kv_directory_stats(self) -> dict[str, Any]:
         if self.kv_sharing is None:
             return {}
-        directory = self.kv_sharing.directory
-        return await detached(call(lambda: directory.stats.remote()))
+        sharing = self.kv_sharing
+        return await detached(sharing.call_directory(lambda d: d.stats.remote()))
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

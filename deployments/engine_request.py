@@ -29,8 +29,13 @@ class EngineRequest:
     # Choices (OpenAI's n): engine requests sharing the prompt, streamed as one, items tagged
     # with their ``index``.
     n: int = 1
-    # Folded into the block hashes (engine.block_hash.salted): ``block_hashes`` already are.
+    # Folded into the block hashes (engine.block_hash.hash_root): ``block_hashes`` already are.
     cache_salt: str | None = None
+    # The namespace ``block_hashes`` were computed under (engine.kv_fingerprint); a replica
+    # whose own differs rehashes the prompt before it looks anything up.
+    kv_namespace: str | None = None
+    # The client's x-request-id header, for the replica's log lines (deployments.request_logging).
+    x_request_id: str | None = None
 
 
 @dataclass

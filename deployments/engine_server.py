@@ -59,6 +59,9 @@ class LocalBackend:
     def open(self, req: EngineRequest, index: int, num_prompts: int) -> LocalStream:
         return LocalStream(self.replica.generate(req))
 
+    async def kv_namespace(self) -> str | None:
+        return self.replica.kv_namespace()
+
 
 app, OpenAIRoutes = openai_routes()
 

@@ -18,13 +18,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from deployments import request_logging
 from deployments.admission import CONTENT_TYPE_LATEST, Admission
 from deployments.config import AppArgs
 from deployments.generation import EngineBackend, Generation
 from deployments.health import CachedVerdict, Reports, cluster_verdict, health_verdict
 from deployments.http_errors import HTTPError, install_error_handlers
 from deployments.metrics import render
-from deployments.validation import RequestValidator
+from deployments.validation import GenerationJob, RequestValidator
 
 logger = logging.getLogger("ray.serve")
 
@@ -69,25 +70,52 @@ class OpenAIFrontend:
         if length is not None and length.isdigit() and int(length) > limit:
             raise HTTPError(413, f"request body larger than {limit} bytes", code="body_too_large")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise HTTPError(
-                    413, f"request body larger than {limit} bytes", code="body_too_large"
-                )
+        timeout_s = self.args.limits.body_read_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > limit:
+                        raise HTTPError(
+                            413, f"request body larger than {limit} bytes", code="body_too_large"
+                        )
+        except TimeoutError:
+            raise HTTPError(
+                408,
+                f"request body not received within {timeout_s:g} s",
+                "invalid_request_error",
+                code="body_timeout",
+            ) from None
         return self.validator.parse_json(bytes(body))
 
     async def completions(self, request: Request) -> Response:
+        request_logging.bind(x_request_id=_x_request_id(request))
         self.check_auth(request)
         self.generation.check_capacity()
         job = self.validator.completion(await self.read_json(request))
-        return await self.generation.run(job)
+        return await self.generation.run(self._received(job, "completion"))
 
     async def chat_completions(self, request: Request) -> Response:
+        request_logging.bind(x_request_id=_x_request_id(request))
         self.check_auth(request)
         self.generation.check_capacity()
         job = self.validator.chat(await self.read_json(request))
-        return await self.generation.run(job)
+        return await self.generation.run(self._received(job, "chat completion"))
+
+    def _received(self, job: GenerationJob, kind: str) -> GenerationJob:
+        """Bind the response id for the request's log lines (and log the request if asked)."""
+        request_logging.bind(response_id=job.builder.id)
+        if self.args.enable_log_requests:
+            logger.info(
+                "received %s request: prompts=%d prompt_tokens=%s n=%d max_tokens=%s stream=%s",
+                kind,
+                len(job.prompts),
+                [len(p) for p in job.prompts],
+                job.n,
+                job.params.max_tokens,
+                job.stream,
+            )
+        return job
 
     def _model_card(self) -> dict[str, Any]:
         return {
@@ -137,6 +165,20 @@ class OpenAIFrontend:
             raise HTTPError(503, "metrics unavailable", "service_unavailable") from e
         text = render(r["metrics"] for r in reports.values()) + self.admission.metrics.render()
         return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+def _x_request_id(request: Request) -> str | None:
+    """The client's x-request-id, else the id Serve made up for the request (Serve answers it
+    in the response's x-request-id header)."""
+    given = request.headers.get("x-request-id")
+    if given:
+        return given
+    try:
+        from ray.serve.context import _get_serve_request_context
+
+        return _get_serve_request_context().request_id or None
+    except Exception:  # noqa: BLE001 - private API: a missing id only shortens log lines
+        return None
 
 
 def openai_routes() -> tuple[FastAPI, type]:

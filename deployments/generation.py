@@ -24,14 +24,16 @@ from fastapi.responses import JSONResponse, Response
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
+from deployments import request_logging
 from deployments.admission import Admission, Lease, LeasedStreamingResponse, gather, read_to_end
 from deployments.choices import merge_streams
 from deployments.config import AppArgs
 from deployments.engine_request import EngineError, EngineRequest, StreamItem
 from deployments.http_errors import HTTPError
+from deployments.kv_namespace import prompt_block_hashes
 from deployments.openai_format import ResponseBuilder, error_body, sse
 from deployments.validation import GenerationJob
-from engine.block_hash import compute_block_hashes, salted
+from engine.block_hash import hash_key
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
@@ -50,11 +52,14 @@ class EngineStream(Protocol):
 
 class EngineBackend(Protocol):
     """Where engine requests run. ``max_attempts``: tries per prompt (1 when a retry would
-    land on the same engine)."""
+    land on the same engine). ``kv_namespace``: the engines' block-hash namespace, as they
+    report it (None: not known yet)."""
 
     max_attempts: int
 
     def open(self, req: EngineRequest, index: int, num_prompts: int) -> EngineStream: ...
+
+    async def kv_namespace(self) -> str | None: ...
 
 
 class RetryableError(Exception):
@@ -75,8 +80,7 @@ class Generation:
         self.backend = backend
         self.admission = admission
         self.block_size = args.engine.block_size
-        # Must equal the engine's salt (EngineConfig.hash_salt defaults to the model name).
-        self.hash_salt = args.model
+        self.hash_key = hash_key(args.kv_hash_key)
         self.retry_after = {"Retry-After": str(args.limits.retry_after_s)}
 
     def _replica_header(self, items: list[StreamItem]) -> dict[str, str]:
@@ -108,29 +112,32 @@ class Generation:
                 "ingress",
             )
 
-    def engine_requests(self, job: GenerationJob) -> list[EngineRequest]:
+    def engine_requests(self, job: GenerationJob, namespace: str | None) -> list[EngineRequest]:
         rid = job.builder.id
         return [
             EngineRequest(
                 request_id=rid if len(job.prompts) == 1 else f"{rid}-{i}",
                 prompt_token_ids=ids,
                 sampling=job.params,
-                block_hashes=compute_block_hashes(
-                    ids, self.block_size, salted(self.hash_salt, job.cache_salt)
+                block_hashes=prompt_block_hashes(
+                    ids, self.block_size, namespace, self.hash_key, job.cache_salt
                 ),
+                kv_namespace=namespace,
                 priority=job.priority,
                 timeout_s=self.args.limits.request_timeout_s,
                 stream=job.stream,
                 n=job.n,
                 cache_salt=job.cache_salt,
+                x_request_id=request_logging.current().x_request_id,
             )
             for i, ids in enumerate(job.prompts)
         ]
 
     async def run(self, job: GenerationJob) -> Response:
+        namespace = await self.backend.kv_namespace()
         # Again, now for every sequence: the body was read since, other requests came in.
         self.check_capacity(job.num_sequences)
-        engine_reqs = self.engine_requests(job)
+        engine_reqs = self.engine_requests(job, namespace)
         # No await between the check above and this count: admission is atomic.
         lease = self.admission.lease(len(engine_reqs), job.num_sequences)
         handed_off = False

@@ -18,9 +18,11 @@ from ray import serve
 from ray.serve import context as serve_context
 from ray.serve.handle import DeploymentHandle
 
+from deployments import request_logging
 from deployments.config import AppArgs
 from deployments.engine_request import EngineRequest
 from deployments.frontend import OpenAIFrontend, openai_routes
+from deployments.kv_namespace import NamespaceSource
 
 # Attempts per prompt when its engine replica fails before anything reached the client.
 MAX_ATTEMPTS = 3
@@ -52,6 +54,10 @@ class HandleBackend:
         self.generate_handle = handle.options(
             method_name="generate", stream=True, _by_reference=by_reference
         )
+        self.namespace = NamespaceSource(lambda: handle.kv_namespace.remote())
+
+    async def kv_namespace(self) -> str | None:
+        return await self.namespace.get()
 
     def open(self, req: EngineRequest, index: int, num_prompts: int) -> Any:
         if num_prompts > 1:
@@ -69,6 +75,7 @@ app, OpenAIRoutes = openai_routes()
 class Ingress(OpenAIRoutes):  # type: ignore[misc, valid-type]
     def __init__(self, engine: DeploymentHandle, args: dict[str, Any]) -> None:
         self.args = AppArgs.model_validate(args)
+        request_logging.install()
         self.engine = engine
         backend = HandleBackend(engine, by_reference=self.args.handle_transport == "actor")
         self.frontend = OpenAIFrontend(

@@ -1,21 +1,27 @@
 """The KV directory: which prefix blocks live in Ray's object store, and where.
 
-One actor per application. An entry maps a block hash to the object holding that block's KV (a
-run of blocks is one object; the entry records the block's index in it), its size, the replica
-that computed and owns it, and when it was last used.
+One actor per application. A replica publishes a run of blocks as one object (at most
+``KVSharingArgs.max_blocks_per_object`` blocks); an entry maps a block hash to that object and
+the block's index in it. Every object records the layout of its blocks (dtype and block shape),
+its size, and the replica that computed and owns it.
 
 Invariants:
-* ``used_bytes`` is the sum of the entries' ``nbytes`` and never exceeds ``capacity_bytes`` after
-  a ``publish`` returns: the oldest entries (by last use under LRU, by publication under FIFO)
-  are dropped first.
-* The directory holds the object references, inside lists so Ray does not resolve them. An
-  object lives while any entry refers to it; its owner is the publishing replica, so when that
-  replica dies the object is lost: ``forget_owner`` (called when a replica stops reporting, or by
-  a reader whose fetch failed) drops every entry it owned.
+
+* ``used_bytes`` is the sum of the *objects'* sizes, which is what the object store pins while
+  the directory holds their references; it never exceeds ``capacity_bytes`` after ``publish``
+  returns. Eviction drops whole objects: when the oldest entry (by last use under LRU, by
+  publication under FIFO) goes, every entry of its object goes with it, so no surviving entry
+  pins bytes the budget does not count.
+* An object is kept only while at least one entry refers to it. The directory holds the
+  references inside lists so Ray does not resolve them.
+* The owner of an object is the publishing replica: when it dies the object is lost, so
+  ``forget_owner`` (a replica stopped heartbeating) drops all it owned, and ``drop_objects``
+  (a reader failed to fetch one) drops just those.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -24,13 +30,42 @@ from typing import Any, Literal
 import ray
 
 
+@dataclass(frozen=True)
+class BlockLayout:
+    """What the blocks of an object are: ``dtype`` (torch's name) and one block's shape."""
+
+    dtype: str
+    block_shape: tuple[int, ...]
+
+
+@dataclass
+class StoredObject:
+    ref: list[Any]  # [ObjectRef] to a block-major array of a run of blocks
+    nbytes: int  # the whole object's, skipped blocks included
+    block_nbytes: int
+    owner: str
+    layout: BlockLayout
+    hashes: list[int]  # the entries that refer to it
+
+
 @dataclass
 class Entry:
-    ref: list[Any]  # [ObjectRef] to a block-major array of a run of blocks
-    index: int  # this block's position in that run
-    nbytes: int
-    owner: str
+    object_id: int
+    index: int  # this block's position in the object
     last_access: float
+
+
+@dataclass(frozen=True)
+class Located:
+    """One block found by ``lookup``."""
+
+    block_hash: int
+    object_id: int
+    ref: list[Any]
+    index: int
+    owner: str
+    layout: BlockLayout
+    block_nbytes: int
 
 
 class KVDirectoryState:
@@ -46,49 +81,70 @@ class KVDirectoryState:
         self.eviction = eviction
         self.owner_timeout_s = owner_timeout_s
         self.entries: OrderedDict[int, Entry] = OrderedDict()
+        self.objects: dict[int, StoredObject] = {}
         self.used_bytes = 0
         self.heartbeats: dict[str, float] = {}
-        self.counters = {"published": 0, "evicted": 0, "dropped_dead": 0, "hits": 0, "lookups": 0}
+        self._ids = itertools.count()
+        self.counters = {
+            "published": 0,
+            "evicted": 0,
+            "dropped_dead": 0,
+            "dropped_failed": 0,
+            "hits": 0,
+            "lookups": 0,
+        }
 
     # -- writers ---------------------------------------------------------------------------------
-    def publish(self, owner: str, hashes: list[int], ref: list[Any], block_nbytes: int) -> int:
+    def publish(
+        self,
+        owner: str,
+        hashes: list[int],
+        ref: list[Any],
+        block_nbytes: int,
+        layout: BlockLayout,
+    ) -> int:
         """Register ``hashes[i]`` as block ``i`` of the object ``ref[0]``. Hashes already present
-        keep their existing entry. Returns how many were added."""
+        keep their existing entry; an object that adds none (or is larger than the whole budget)
+        is not kept. Returns how many entries were added."""
         now = time.time()
         self.heartbeats[owner] = now
-        added = 0
-        for i, h in enumerate(hashes):
-            if h in self.entries:
-                continue
-            self.entries[h] = Entry(ref, i, block_nbytes, owner, now)
-            self.used_bytes += block_nbytes
-            added += 1
-        self.counters["published"] += added
+        new = [(i, h) for i, h in enumerate(hashes) if h not in self.entries]
+        nbytes = block_nbytes * len(hashes)
+        if not new or nbytes > self.capacity_bytes:
+            return 0
+        object_id = next(self._ids)
+        self.objects[object_id] = StoredObject(
+            ref, nbytes, block_nbytes, owner, layout, [h for _, h in new]
+        )
+        self.used_bytes += nbytes
+        for i, h in new:
+            self.entries[h] = Entry(object_id, i, now)
+        self.counters["published"] += len(new)
         self._evict()
-        return added
+        return len(new)
 
     def heartbeat(self, owner: str) -> None:
         self.heartbeats[owner] = time.time()
         self._expire_owners()
 
     def forget_owner(self, owner: str) -> int:
-        """Drop every entry of a replica that died (its objects are gone with it)."""
+        """Drop every object of a replica that died (its objects are gone with it). Returns how
+        many entries went."""
         self.heartbeats.pop(owner, None)
-        dead = [h for h, e in self.entries.items() if e.owner == owner]
-        for h in dead:
-            self.used_bytes -= self.entries.pop(h).nbytes
-        self.counters["dropped_dead"] += len(dead)
-        return len(dead)
+        dead = [oid for oid, o in self.objects.items() if o.owner == owner]
+        n = sum(self._drop_object(oid) for oid in dead)
+        self.counters["dropped_dead"] += n
+        return n
 
-    def drop(self, hashes: list[int]) -> None:
-        for h in hashes:
-            e = self.entries.pop(h, None)
-            if e is not None:
-                self.used_bytes -= e.nbytes
+    def drop_objects(self, object_ids: list[int]) -> int:
+        """Drop objects a reader could not fetch (lost or unreachable)."""
+        n = sum(self._drop_object(oid) for oid in object_ids)
+        self.counters["dropped_failed"] += n
+        return n
 
     # -- readers ---------------------------------------------------------------------------------
-    def lookup(self, hashes: list[int]) -> list[tuple[int, list[Any], int, str]]:
-        """The longest leading run of ``hashes`` present: ``(hash, [ref], index, owner)`` each."""
+    def lookup(self, hashes: list[int]) -> list[Located]:
+        """The longest leading run of ``hashes`` present."""
         self._expire_owners()
         self.counters["lookups"] += 1
         now = time.time()
@@ -97,7 +153,8 @@ class KVDirectoryState:
             e = self.entries.get(h)
             if e is None:
                 break
-            out.append((h, e.ref, e.index, e.owner))
+            o = self.objects[e.object_id]
+            out.append(Located(h, e.object_id, o.ref, e.index, o.owner, o.layout, o.block_nbytes))
             e.last_access = now
             if self.eviction == "lru":
                 self.entries.move_to_end(h)
@@ -115,10 +172,11 @@ class KVDirectoryState:
 
     def stats(self) -> dict[str, Any]:
         owners: dict[str, int] = {}
-        for e in self.entries.values():
-            owners[e.owner] = owners.get(e.owner, 0) + 1
+        for o in self.objects.values():
+            owners[o.owner] = owners.get(o.owner, 0) + len(o.hashes)
         return {
             "entries": len(self.entries),
+            "objects": len(self.objects),
             "used_bytes": self.used_bytes,
             "capacity_bytes": self.capacity_bytes,
             "eviction": self.eviction,
@@ -131,11 +189,23 @@ class KVDirectoryState:
         return list(self.entries)
 
     # -- internals -------------------------------------------------------------------------------
+    def _drop_object(self, object_id: int) -> int:
+        o = self.objects.pop(object_id, None)
+        if o is None:
+            return 0
+        self.used_bytes -= o.nbytes
+        n = 0
+        for h in o.hashes:
+            e = self.entries.get(h)
+            if e is not None and e.object_id == object_id:
+                del self.entries[h]
+                n += 1
+        return n
+
     def _evict(self) -> None:
         while self.used_bytes > self.capacity_bytes and self.entries:
-            _, e = self.entries.popitem(last=False)
-            self.used_bytes -= e.nbytes
-            self.counters["evicted"] += 1
+            oldest = next(iter(self.entries.values()))
+            self.counters["evicted"] += self._drop_object(oldest.object_id)
 
     def _expire_owners(self) -> None:
         now = time.time()

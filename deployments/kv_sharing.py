@@ -1,22 +1,38 @@
-"""A replica's side of KV sharing: publish computed prefixes, import missing ones.
+"""A replica's side of KV sharing through Ray's object store: the engine's KV connector.
 
-Publishing: when a request's prompt is fully computed, the hashes of the full prompt blocks it
-computed itself (not those it hit) are queued. A background task exports their KV between engine
-steps, turns it into a numpy array (zero-copy reads for every importer), puts it in the object
-store from a worker thread and registers it in the directory. The engine step never waits on it.
+Publishing: when a request's prompt is computed, the hashes of its full prompt blocks are queued
+(``on_prompt_computed``, engine thread). A background task exports the blocks the directory lacks
+between engine steps, at most ``max_blocks_per_object`` per object, turns each run into a numpy
+array (zero-copy reads for every importer), puts it in the object store from a worker thread and
+registers it in the directory with its layout. The engine step never waits on it.
 
-Importing: before a request is queued, the replica checks how much of its prefix is cached
-locally; if the directory holds a longer run, it fetches those objects (asynchronously, with a
-timeout) and installs them into the block pool just before the request is added, so admission
-hits them. Any failure (owner died, object lost, timeout) only means the prefix is recomputed.
+Importing: before a request is handed to the engine, ``prefetch`` looks up the blocks after the
+local prefix hit in the directory and fetches them, off the engine thread. Fetches are
+single-flight: requests whose missing blocks start at the same block share one fetch (and one
+copy of its bytes), and the bytes held by fetches at once are bounded (``max_import_bytes``;
+past it a request recomputes). Entries whose layout differs from this engine's are never
+fetched; the engine checks the data's dtype and shape again before it allocates anything
+(``engine.kv_transfer.check_layout``). The engine then takes the fetched blocks through
+``load`` when the request is added. Any failure (owner died, object lost, timeout, directory
+gone) only means the prefix is recomputed; an object that could not be fetched is dropped from
+the directory, and nothing else.
+
+Directory loss: every directory call that fails resets the handle, so the next one resolves the
+actor again (Serve recreates a deployment actor that died). The new directory starts empty and
+fills as replicas publish.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import contextvars
 import logging
 import threading
+import time
+import warnings
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,18 +41,25 @@ import ray
 import torch
 
 from deployments.config import KVSharingArgs
+from deployments.kv_directory import BlockLayout, Located
 from engine.async_engine import AsyncEngine
-from engine.kv_transfer import export_blocks, import_blocks
+from engine.block_hash import BlockHash
+from engine.kv_connector import KVBlocks, KVConnector
 from engine.llm_engine import LLMEngine
 from engine.request import Request
 
 logger = logging.getLogger("ray.serve")
+
+# How long a finished fetch stays shareable: requests that looked up the directory while it ran
+# are added to the engine (and install its blocks) within about a step of it ending.
+FETCH_KEEP_S = 2.0
 
 _NUMPY_VIEW = {
     torch.bfloat16: torch.int16,
     torch.float16: torch.float16,
     torch.float32: torch.float32,
 }
+_TORCH_DTYPES = {str(t).removeprefix("torch."): t for t in _NUMPY_VIEW}
 
 
 def to_numpy(kv: torch.Tensor) -> np.ndarray:
@@ -45,22 +68,37 @@ def to_numpy(kv: torch.Tensor) -> np.ndarray:
 
 
 def from_numpy(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(arr))
+    """A tensor over ``arr``'s memory (no copy; arrays from the object store are read-only, and
+    the importer only reads them)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(np.ascontiguousarray(arr))
     return t.view(dtype) if dtype == torch.bfloat16 else t
 
 
-def _export_numpy(engine: LLMEngine, hashes: list[int]) -> tuple[list[int], np.ndarray]:
-    found, kv = export_blocks(engine, hashes)
+def layout_of(engine: LLMEngine) -> BlockLayout:
+    return BlockLayout(str(engine.dtype).removeprefix("torch."), engine.kv_block_shape)
+
+
+def _export_numpy(engine: LLMEngine, hashes: list[BlockHash]) -> tuple[list[BlockHash], np.ndarray]:
+    found, kv = engine.export_prefix(hashes)
     return found, to_numpy(kv)
 
 
 @dataclass
-class ImportPlan:
-    hashes: list[int]
-    kv: torch.Tensor
+class Fetched:
+    """Blocks fetched for prompts whose missing blocks start at block ``start``: ``hashes``
+    name the blocks of the concatenated ``chunks`` (read-only numpy views into the object
+    store), in the layout ``layout``."""
+
+    start: int
+    hashes: list[BlockHash]
+    chunks: list[np.ndarray]
+    layout: BlockLayout
+    nbytes: int
 
 
-class KVSharing:
+class KVSharing(KVConnector):
     def __init__(
         self,
         replica_id: str,
@@ -75,25 +113,55 @@ class KVSharing:
         self.args = args
         self.directory = directory
         self.block_size = self.engine.block_size
-        self.dtype = self.engine.dtype
+        self.layout = layout_of(self.engine)
         self._pending: collections.deque[list[int]] = collections.deque(maxlen=1024)
         self._pending_lock = threading.Lock()
-        self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.published = metrics.counter(
+        # Fetches in flight or recently done, by the first block they import.
+        self._fetches: dict[BlockHash, asyncio.Task[Fetched | None]] = {}
+        self.fetch_bytes = 0
+        # Seconds per block of recent fetches (a moving average; None: none yet).
+        self.import_s_per_block: float | None = None
+
+        def counter(name: str, doc: str) -> Any:
+            return metrics.counter(name, doc).labels(replica=replica_id)
+
+        self.published = counter(
             "prefixserve_kv_blocks_published", "KV blocks published to the object store."
         )
-        self.imported = metrics.counter(
+        self.imported = counter(
             "prefixserve_kv_blocks_imported", "KV blocks imported from other replicas."
         )
-        self.import_failures = metrics.counter(
-            "prefixserve_kv_import_failures", "Imports that fell back to recompute."
+        self.fetches = counter(
+            "prefixserve_kv_fetches", "Fetches of published KV runs from the object store."
         )
-        self.replica_label = replica_id
-        self.engine.on_prefill_done = self._on_prefill_done
+        self.import_failures = counter(
+            "prefixserve_kv_import_failures",
+            "Imports that fell back to recompute: lookup or fetch failed or timed out.",
+        )
+        self.rejected = counter(
+            "prefixserve_kv_import_rejected",
+            "Published KV refused because its dtype or block shape differs from this engine's.",
+        )
+        self.skipped = counter(
+            "prefixserve_kv_import_skipped",
+            "Imports skipped (recomputed) because max_import_bytes were already being fetched.",
+        )
+        self.engine.kv_connector = self
+
+    async def call_directory(self, method: Callable[[Any], Awaitable[Any]]) -> Any:
+        """A directory call; a failure resets the handle (the actor may have been recreated)."""
+        try:
+            return await method(self.directory)
+        except Exception:
+            self.directory.reset()
+            raise
+
+    async def heartbeat(self) -> None:
+        await self.call_directory(lambda d: d.heartbeat.remote(self.replica_id))
 
     # -- publishing ------------------------------------------------------------------------------
-    def _on_prefill_done(self, request: Request) -> None:
+    def on_prompt_computed(self, request: Request) -> None:
         """Engine thread: queue the prompt blocks this replica computed itself."""
         first = max(request.num_cached_tokens, 0) // self.block_size
         last = request.num_prompt_tokens // self.block_size
@@ -120,69 +188,175 @@ class KVSharing:
                     logger.warning("KV publish failed", exc_info=True)
             await asyncio.sleep(0.05)
 
-    async def _publish(self, hashes: list[int]) -> None:
-        known = await self.directory.contains.remote(hashes)
+    async def _publish(self, hashes: list[BlockHash]) -> None:
+        known = await self.call_directory(lambda d: d.contains.remote(hashes))
         todo = hashes[known:]
         if len(todo) < self.args.min_blocks:
             return
-        # Tensor work stays on the engine thread (engine.async_engine: OpenMP teams).
-        found, arr = await self.async_engine.call(lambda e: _export_numpy(e, todo))
-        if len(found) < self.args.min_blocks:
-            return
-        ref = await asyncio.to_thread(ray.put, arr)
-        block_nbytes = arr.nbytes // len(found)
-        added = await self.directory.publish.remote(self.replica_id, found, [ref], block_nbytes)
-        self.published.labels(replica=self.replica_label).inc(added)
+        step = self.args.max_blocks_per_object
+        for i in range(0, len(todo), step):
+            part = todo[i : i + step]
+            # Tensor work stays on the engine thread (engine.async_engine: OpenMP teams).
+            found, arr = await self.async_engine.call(lambda e, part=part: _export_numpy(e, part))
+            if not found:
+                return
+            ref = await asyncio.to_thread(ray.put, arr)
+            block_nbytes = arr.nbytes // len(found)
+            added = await self.call_directory(
+                lambda d, found=found, ref=ref, n=block_nbytes: d.publish.remote(
+                    self.replica_id, found, [ref], n, self.layout
+                )
+            )
+            self.published.inc(added)
+            if len(found) < len(part):
+                return  # evicted here meanwhile: the rest of the run cannot follow
 
     # -- importing -------------------------------------------------------------------------------
-    def _local_prefix_blocks(self, hashes: list[int]) -> int:
-        # A racy read of the engine's cache map, only used as a hint: import_blocks re-checks on
-        # the engine thread.
-        cached = self.engine.kv.pool.cached
-        n = 0
-        for h in hashes:
-            if h not in cached:
-                break
-            n += 1
-        return n
-
-    async def plan_import(self, prompt_len: int, hashes: list[int]) -> ImportPlan | None:
-        """Fetch the directory's blocks that extend the local prefix hit, or None."""
+    async def prefetch(self, prompt_len: int, hashes: list[BlockHash]) -> Fetched | None:
+        """Fetch the directory's blocks that extend the local prefix hit of a prompt of
+        ``prompt_len`` tokens with block ``hashes`` (this engine's), or None. Pass the result
+        to the engine with the request (``Request.kv_transfer``)."""
         usable = hashes[: (prompt_len - 1) // self.block_size]
-        local = self._local_prefix_blocks(usable)
+        local = self.engine.num_cached_prefix_blocks(usable)
         wanted = usable[local:]
         if len(wanted) < self.args.min_blocks:
             return None
+        key = wanted[0]
+        task = self._fetches.get(key)
+        if task is None:
+            loop = asyncio.get_running_loop()
+            # Outside the request's context: its cancellation must not cancel a shared fetch
+            # (deployments.replica_report.detached says why).
+            task = loop.create_task(self._fetch(local, wanted), context=contextvars.Context())
+            self._fetches[key] = task
+            task.add_done_callback(
+                lambda t: loop.call_later(FETCH_KEEP_S, self._forget_fetch, key, t)
+            )
+        return await asyncio.shield(task)
+
+    def _forget_fetch(self, key: BlockHash, task: asyncio.Task[Fetched | None]) -> None:
+        if self._fetches.get(key) is task:
+            del self._fetches[key]
+        if not task.cancelled() and task.exception() is None and (fetched := task.result()):
+            self.fetch_bytes -= fetched.nbytes
+
+    async def _fetch(self, start: int, wanted: list[BlockHash]) -> Fetched | None:
         timeout = self.args.fetch_timeout_s
         try:
-            entries = await asyncio.wait_for(self.directory.lookup.remote(wanted), timeout)
-        except Exception:  # noqa: BLE001 - no directory, no import
+            found: list[Located] = await asyncio.wait_for(
+                self.call_directory(lambda d: d.lookup.remote(wanted)), timeout
+            )
+        except Exception as e:  # noqa: BLE001 - no directory, no import
+            logger.info("KV directory lookup failed (%r); recomputing", e)
+            self.import_failures.inc()
             return None
-        if len(entries) < self.args.min_blocks:
+        run: list[Located] = []
+        for loc in found:
+            if loc.layout != self.layout:
+                self.rejected.inc()
+                break
+            run.append(loc)
+        if len(run) < self.args.min_blocks:
             return None
-        refs: dict[Any, Any] = {}
-        for _, ref, _, _ in entries:
-            refs.setdefault(ref[0], ref[0])
-        try:
-            arrays = await asyncio.wait_for(asyncio.gather(*refs.values()), timeout)
-        except Exception as e:  # noqa: BLE001 - owner died, object lost, timeout
-            self.import_failures.labels(replica=self.replica_label).inc()
-            owners = {owner for _, _, _, owner in entries}
-            logger.info("KV import failed (%s); recomputing; dropping %s", type(e).__name__, owners)
-            for owner in owners:
-                if owner != self.replica_id:
-                    self.directory.forget_owner.remote(owner)
+        nbytes = sum(loc.block_nbytes for loc in run)
+        if self.fetch_bytes + nbytes > self.args.max_import_bytes:
+            self.skipped.inc()
             return None
-        by_ref = dict(zip(refs.keys(), arrays, strict=True))
-        # numpy, not torch.stack: parallel tensor work belongs to the engine thread alone.
-        kv = from_numpy(
-            np.stack([by_ref[ref[0]][index] for _, ref, index, _ in entries]), self.dtype
-        )
-        return ImportPlan([h for h, _, _, _ in entries], kv)
+        fetched = await self._fetch_objects(start, run)
+        if fetched is not None:
+            self.fetch_bytes += fetched.nbytes
+        return fetched
 
-    def install(self, plan: ImportPlan, request: Request) -> None:
-        """Engine thread, just before the request is queued."""
-        _, installed = import_blocks(self.engine, plan.hashes, plan.kv)
-        request.num_remote_cached_tokens = installed * self.block_size
-        if installed:
-            self.imported.labels(replica=self.replica_label).inc(installed)
+    async def _fetch_objects(self, start: int, run: list[Located]) -> Fetched | None:
+        """Fetch the objects holding ``run``; the leading blocks whose objects arrived."""
+        refs: dict[int, Any] = {}
+        for loc in run:
+            refs.setdefault(loc.object_id, loc.ref[0])
+        self.fetches.inc()
+        started = time.perf_counter()
+        tasks = {oid: asyncio.ensure_future(_await(ref)) for oid, ref in refs.items()}
+        _, pending = await asyncio.wait(tasks.values(), timeout=self.args.fetch_timeout_s)
+        if not pending:
+            self._observe_fetch(time.perf_counter() - started, len(run))
+        for t in pending:
+            t.cancel()
+        lost = [oid for oid, t in tasks.items() if t.done() and not t.cancelled() and t.exception()]
+        if lost or pending:
+            self.import_failures.inc()
+            logger.info(
+                "KV fetch: %d objects lost, %d timed out; recomputing", len(lost), len(pending)
+            )
+        if lost:
+            # Only what failed: the owner may well be alive (the directory's heartbeats decide).
+            with contextlib.suppress(Exception):
+                await self.call_directory(lambda d: d.drop_objects.remote(lost))
+        hashes: list[BlockHash] = []
+        chunks: list[np.ndarray] = []
+        i = 0
+        while i < len(run):
+            oid = run[i].object_id
+            t = tasks[oid]
+            if not t.done() or t.cancelled() or t.exception() is not None:
+                break
+            j = i
+            while (
+                j + 1 < len(run)
+                and run[j + 1].object_id == oid
+                and run[j + 1].index == run[j].index + 1
+            ):
+                j += 1
+            chunks.append(t.result()[run[i].index : run[j].index + 1])
+            hashes.extend(loc.block_hash for loc in run[i : j + 1])
+            i = j + 1
+        if len(hashes) < self.args.min_blocks:
+            return None
+        nbytes = sum(c.nbytes for c in chunks)
+        return Fetched(start, hashes, chunks, self.layout, nbytes)
+
+    def _observe_fetch(self, seconds: float, blocks: int) -> None:
+        sample = seconds / blocks
+        prev = self.import_s_per_block
+        self.import_s_per_block = sample if prev is None else prev + 0.2 * (sample - prev)
+
+    def transfer_cost_ratio(self) -> float | None:
+        """Seconds to import a block over seconds to prefill one, both as measured here (None
+        until both have been): what the router prices a directory hit at."""
+        prefill = self.engine.stats.prefill_s_per_token
+        if self.import_s_per_block is None or not prefill:
+            return None
+        return self.import_s_per_block / (prefill * self.block_size)
+
+    def load(self, request: Request, num_local_blocks: int) -> KVBlocks | None:
+        """Engine thread: the request's fetched blocks after its ``num_local_blocks``."""
+        fetched: Fetched | None = request.kv_transfer
+        request.kv_transfer = None
+        if fetched is None or num_local_blocks < fetched.start:
+            return None  # blocks before the fetched run were evicted meanwhile
+        skip = num_local_blocks - fetched.start
+        hashes = fetched.hashes[skip:]
+        own = request.block_hashes[num_local_blocks : num_local_blocks + len(hashes)]
+        n = next((i for i, (a, b) in enumerate(zip(hashes, own, strict=False)) if a != b), len(own))
+        if n == 0:
+            return None
+        dtype = _TORCH_DTYPES.get(fetched.layout.dtype)
+        if dtype is None:
+            self.rejected.inc()
+            return None
+        chunks: list[torch.Tensor] = []
+        offset = 0
+        for arr in fetched.chunks:
+            lo, hi = max(skip - offset, 0), min(skip + n - offset, arr.shape[0])
+            if lo < hi:
+                chunks.append(from_numpy(arr[lo:hi], dtype))
+            offset += arr.shape[0]
+        return KVBlocks(hashes[:n], chunks)
+
+    def loaded(self, request: Request, num_installed: int, rejected: str | None) -> None:
+        if rejected is not None:
+            self.rejected.inc()
+        elif num_installed:
+            self.imported.inc(num_installed)
+
+
+async def _await(ref: Any) -> Any:
+    return await ref

@@ -22,6 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from deployments.vllm_metrics import VllmMetrics
 from engine.llm_engine import EngineStats
 
 # `_created` series double the exposition for no use here.
@@ -39,10 +40,12 @@ Snapshot = list[dict[str, Any]]
 class ReplicaMetrics:
     """The metrics of one engine replica."""
 
-    def __init__(self, replica_id: str) -> None:
+    def __init__(self, replica_id: str, model_name: str = "", ray_export: bool = False) -> None:
         self.replica_id = replica_id
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # The same quantities under vLLM's names and model_name label (docs/metrics.md).
+        self.vllm = VllmMetrics(r, model_name, replica_id, ray_export=ray_export)
         labels = ["replica"]
         self.prompt_tokens = Counter(
             "prefixserve_prompt_tokens", "Prompt tokens admitted.", labels, registry=r
@@ -103,6 +106,13 @@ class ReplicaMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.native_kernels = Gauge(
+            "prefixserve_native_kernels_available",
+            "1 when the engine's native CPU kernels are loaded; 0 with the reason they are not "
+            "(no_compiler, build_failed, not_linux, disabled): the slower PyTorch path runs.",
+            ["replica", "reason"],
+            registry=r,
+        )
         # Create the labelled children now so every family is exported from the start.
         for source in ("local", "remote"):
             self.cache_hits.labels(replica=replica_id, source=source)
@@ -128,6 +138,7 @@ class ReplicaMetrics:
             self._mirrored[key] = value
 
     def update(self, stats: EngineStats) -> None:
+        self.vllm.update(stats)
         self._mirror(self.prompt_tokens, stats.prompt_tokens)
         self._mirror(self.generation_tokens, stats.generation_tokens)
         self._mirror(self.cache_hits, stats.cache_hit_tokens_local, source="local")
@@ -141,6 +152,11 @@ class ReplicaMetrics:
         self.kv_usage.labels(replica=rid).set(stats.kv_usage)
         self.kv_free.labels(replica=rid).set(stats.num_free_blocks)
         self.kv_total.labels(replica=rid).set(stats.num_blocks)
+
+    def set_native_kernels(self, unavailable_reason: str | None) -> None:
+        """Export whether the native kernels are loaded (``engine.attention.native``)."""
+        reason = unavailable_reason or ""
+        self.native_kernels.labels(replica=self.replica_id, reason=reason).set(0 if reason else 1)
 
     def observe_request(self, ttft_s: float | None, tpot_s: float | None) -> None:
         if ttft_s is not None:

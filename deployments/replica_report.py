@@ -18,6 +18,7 @@ import ray
 from ray import serve
 
 from deployments.metrics import ReplicaMetrics
+from deployments.stats_log import EngineStatsLog
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 
@@ -59,6 +60,7 @@ class ReplicaReporter:
         async_engine: AsyncEngine,
         metrics: ReplicaMetrics,
         heartbeat: Callable[[], Awaitable[Any]] | None = None,
+        stats_log: EngineStatsLog | None = None,
     ) -> None:
         self.replica_id = replica_id
         self.started_at = started_at
@@ -66,6 +68,7 @@ class ReplicaReporter:
         self.async_engine = async_engine
         self.metrics = metrics
         self.heartbeat = heartbeat
+        self.stats_log = stats_log
         self._registry: Any = None
         self._task: asyncio.Task | None = None
 
@@ -85,6 +88,8 @@ class ReplicaReporter:
 
     async def report_once(self) -> None:
         self.metrics.update(self.engine.stats)
+        if self.stats_log is not None:
+            self.stats_log.maybe_log(self.engine.stats)
         if self._registry is None:
             self._registry = serve.get_deployment_actor(REGISTRY_ACTOR)
         report = {

@@ -5,8 +5,8 @@ body to this deployment's ``POST /internal/route`` (Serve's ingress request rout
 one Ray Serve LLM's ``LLMRouter`` answers) and forwards the request to the replica it names. The
 choice is the Engine deployment's own request router (router/'s prefix-aware policy) over the
 prompt's chained block hashes, computed here exactly as the replicas compute them (same
-tokenizer, chat template, block size and salt). The stream then flows replica -> HAProxy ->
-client, never through this process.
+tokenizer, chat template, block size and hash key, under the namespace the replicas report). The
+stream then flows replica -> HAProxy -> client, never through this process.
 
 A body this side cannot read (not JSON, truncated, invalid) is still routed, by load alone: the
 replica it lands on answers the client's error properly. HAProxy needs
@@ -24,8 +24,9 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppArgs
 from deployments.http_errors import HTTPError
+from deployments.kv_namespace import NamespaceSource, prompt_block_hashes
 from deployments.validation import RequestValidator
-from engine.block_hash import compute_block_hashes
+from engine.block_hash import hash_key
 
 logger = logging.getLogger("ray.serve")
 
@@ -48,8 +49,10 @@ class ReplicaChooser:
         self.validator = RequestValidator(self.args)
         self.engine = engine
         self.engine._init()
+        self.hash_key = hash_key(self.args.kv_hash_key)
+        self.namespace = NamespaceSource(lambda: engine.kv_namespace.remote())
 
-    def routing_key(self, body: bytes) -> RoutingKey:
+    def routing_key(self, body: bytes, namespace: str | None) -> RoutingKey:
         """The prompt's block hashes (the first prompt's, for several); none when the body
         cannot be read."""
         try:
@@ -61,12 +64,14 @@ class ReplicaChooser:
             )
         except (HTTPError, ValueError, RecursionError):
             return RoutingKey()
-        ids = job.prompts[0]
-        return RoutingKey(compute_block_hashes(ids, self.args.engine.block_size, self.args.model))
+        hashes = prompt_block_hashes(
+            job.prompts[0], self.args.engine.block_size, namespace, self.hash_key, job.cache_salt
+        )
+        return RoutingKey(hashes)
 
     @route_app.post("/internal/route")
     async def route(self, request: Request) -> dict[str, Any]:
-        key = self.routing_key(await request.body())
+        key = self.routing_key(await request.body(), await self.namespace.get())
         try:
             async with self.engine.choose_replica(key, _reserve=False) as selection:
                 replica = selection._replica

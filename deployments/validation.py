@@ -32,7 +32,7 @@ from deployments.protocol import (
 )
 from deployments.tool_calls import detect_format
 from engine.model.config import model_config_from_hf
-from engine.model.loader import load_hf_config, load_tokenizer, resolve_model
+from engine.model.loader import load_hf_config, resolve_model, resolve_tokenizer
 from engine.sampling_params import SamplingParams
 
 
@@ -65,7 +65,7 @@ class RequestValidator:
         model_cfg = model_config_from_hf(hf_config, generation_config)
         self.vocab_size = model_cfg.vocab_size
         self.max_model_len = args.engine.max_model_len or model_cfg.max_position_embeddings
-        self.tokenizer = load_tokenizer(args.tokenizer or model_dir)
+        self.tokenizer = resolve_tokenizer(args.tokenizer, model_dir)
         self.model_name = args.model_name
 
     # -- body --------------------------------------------------------------------------------

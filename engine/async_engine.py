@@ -189,8 +189,8 @@ class AsyncEngine:
         *,
         priority: int = 0,
         coalesce_s: float = 0.0,
-        before_add: Callable[[Any], None] | None = None,
         cache_salt: str | None = None,
+        kv_transfer: Any = None,
     ) -> AsyncIterator[list[RequestDelta]]:
         """Stream the request's deltas, in batches. Raises ValueError for invalid input before
         anything is queued; leaving the iteration early (client gone, cancellation) aborts the
@@ -205,6 +205,8 @@ class AsyncEngine:
         request = self.engine.make_request(
             request_id, prompt, params, priority=priority, cache_salt=cache_salt
         )
+        # For the engine's KV connector, which takes it when the request is added.
+        request.kv_transfer = kv_transfer
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             # Checked again under the lock: a stream registered after the loop died would never
@@ -216,8 +218,6 @@ class AsyncEngine:
 
         def add() -> None:
             try:
-                if before_add is not None:
-                    before_add(request)
                 self.engine.add_prepared_request(request)
             except Exception as e:  # noqa: BLE001 - belongs to this request only
                 _post(stream.loop, stream.queue.put_nowait, e)

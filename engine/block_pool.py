@@ -15,14 +15,13 @@ Invariants (checked by ``check_invariants`` in tests):
 * The free queue is ordered by eviction priority: ``allocate`` takes from the head (least recently
   freed), ``free`` appends to the tail. A hit on a free cached block takes it out of the queue
   wherever it is (O(1), doubly linked).
-* Allocating a free cached block evicts its hash; the eviction is reported through
-  ``drain_events`` so that routers can forget it.
+* Allocating a free cached block evicts its hash (routers learn it from the next report of the
+  cached hashes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
 
@@ -90,14 +89,6 @@ class FreeBlockQueue:
         return [b.block_id for b in self]
 
 
-@dataclass
-class BlockEvents:
-    """Hashes that entered and left the cache since the last drain."""
-
-    stored: list[BlockHash] = field(default_factory=list)
-    removed: list[BlockHash] = field(default_factory=list)
-
-
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks <= 0:
@@ -107,7 +98,6 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
-        self._events = BlockEvents()
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -162,14 +152,12 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
-        self._events.stored.append(block_hash)
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
         del self.cached[block.block_hash]
-        self._events.removed.append(block.block_hash)
         block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -179,10 +167,6 @@ class BlockPool:
         for block in self.blocks:
             self._evict(block)
         return True
-
-    def drain_events(self) -> BlockEvents:
-        events, self._events = self._events, BlockEvents()
-        return events
 
     # -- checking --------------------------------------------------------------------------------
     def check_invariants(self) -> None:

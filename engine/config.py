@@ -44,6 +44,9 @@ class EngineConfig:
     # Salt of the chained block hashes; defaults to the resolved model name, so that two models'
     # hashes never collide in a router or a shared KV directory.
     hash_salt: str | None = None
+    # Secret that keys the block hashes (engine.block_hash): without it no one can compute a
+    # block's hash offline. Engines that share KV or a router must share it; None: unkeyed.
+    kv_hash_key: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -68,7 +71,7 @@ class EngineConfig:
             )
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
-        for name in ("tokenizer", "hash_salt"):
+        for name in ("tokenizer", "hash_salt", "kv_hash_key"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name}: must be a string, got {getattr(self, name)!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

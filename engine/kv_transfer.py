@@ -7,49 +7,90 @@ so each block is one contiguous slice and a run can be split or joined without c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from engine.block_hash import BlockHash
-from engine.llm_engine import LLMEngine
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+
+
+class KVLayoutError(ValueError):
+    """Imported KV does not match this engine's layout (dtype or block shape)."""
+
+
+def block_shape(runner: ModelRunner) -> tuple[int, ...]:
+    """The shape of one exported block: ``[layers, 2, block_size, kv_heads, head_dim]``."""
+    k, _ = runner.kv_caches[0]
+    return (len(runner.kv_caches), 2, *k.shape[1:])
 
 
 def export_blocks(
-    engine: LLMEngine, hashes: list[BlockHash]
+    kv: KVCacheManager, runner: ModelRunner, hashes: list[BlockHash]
 ) -> tuple[list[BlockHash], torch.Tensor]:
     """The KV of the longest leading run of ``hashes`` still cached here (a CPU copy)."""
-    pool = engine.kv.pool
     found: list[BlockHash] = []
     ids: list[int] = []
     for h in hashes:
-        block = pool.get_cached_block(h)
+        block = kv.pool.get_cached_block(h)
         if block is None:
             break
         found.append(h)
         ids.append(block.block_id)
     if not ids:
         return [], torch.empty(0)
-    kv = engine.runner.read_blocks(ids)  # [layers, 2, n, bs, heads, dim]
-    return found, kv.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+    data = runner.read_blocks(ids)  # [layers, 2, n, bs, heads, dim]
+    return found, data.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
 
 
-def import_blocks(engine: LLMEngine, hashes: list[BlockHash], kv: torch.Tensor) -> tuple[int, int]:
+def check_layout(
+    runner: ModelRunner, hashes: Sequence[BlockHash], chunks: list[torch.Tensor]
+) -> None:
+    """Raise ``KVLayoutError`` unless ``chunks`` hold ``len(hashes)`` blocks of this engine's
+    dtype and block shape."""
+    shape = block_shape(runner)
+    for chunk in chunks:
+        if chunk.dtype != runner.dtype:
+            raise KVLayoutError(f"dtype {chunk.dtype} differs from the engine's {runner.dtype}")
+        if tuple(chunk.shape[1:]) != shape:
+            raise KVLayoutError(f"block shape {tuple(chunk.shape[1:])} differs from {shape}")
+    if sum(c.shape[0] for c in chunks) != len(hashes):
+        raise KVLayoutError(f"{len(hashes)} hashes name {sum(c.shape[0] for c in chunks)} blocks")
+
+
+def import_blocks(
+    kv: KVCacheManager,
+    runner: ModelRunner,
+    hashes: list[BlockHash],
+    chunks: torch.Tensor | list[torch.Tensor],
+) -> tuple[int, int]:
     """Install blocks computed elsewhere as free cached blocks, so the next admission hits them.
 
-    ``hashes[i]`` names ``kv[i]``. Blocks already cached here are skipped; nothing is installed
-    if the pool cannot spare the blocks without dipping into the watermark. Returns how many
-    leading hashes are now cached here (installed or already present) and how many of those
+    ``hashes[i]`` names block ``i`` of the concatenated ``chunks``. The layout is checked first
+    (``KVLayoutError``, nothing allocated). Blocks already cached here are skipped; nothing is
+    installed if the pool cannot spare the blocks without dipping into the watermark. Returns how
+    many leading hashes are now cached here (installed or already present) and how many of those
     this call installed."""
-    pool = engine.kv.pool
+    chunks = [chunks] if isinstance(chunks, torch.Tensor) else chunks
+    check_layout(runner, hashes, chunks)
+    pool = kv.pool
     missing = [i for i, h in enumerate(hashes) if pool.get_cached_block(h) is None]
     if not missing:
         return len(hashes), 0
-    if len(missing) > pool.num_free_blocks - engine.kv.watermark_blocks:
+    if len(missing) > pool.num_free_blocks - kv.watermark_blocks:
         return missing[0], 0
     blocks = pool.allocate(len(missing))
-    index = torch.tensor(missing, dtype=torch.int64)
-    data = kv.index_select(0, index).permute(1, 2, 0, 3, 4, 5)  # [layers, 2, n, bs, heads, dim]
-    engine.runner.write_blocks([b.block_id for b in blocks], data)
-    for i, block in zip(missing, blocks, strict=True):
+    by_index = dict(zip(missing, blocks, strict=True))
+    start = 0
+    for chunk in chunks:
+        rows = [i - start for i in missing if start <= i < start + chunk.shape[0]]
+        if rows:
+            index = torch.tensor(rows, dtype=torch.int64)
+            data = chunk.index_select(0, index).permute(1, 2, 0, 3, 4, 5)
+            runner.write_blocks([by_index[start + r].block_id for r in rows], data)
+        start += chunk.shape[0]
+    for i, block in by_index.items():
         pool.cache_block(block, hashes[i])
     # Free in reverse so that the head of the run is evicted last.
     pool.free(reversed(blocks))

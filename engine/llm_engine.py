@@ -7,27 +7,29 @@ import logging
 import operator
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.allocator import keep_freed_memory
-from engine.attention.base import select_backend
-from engine.block_hash import salted
+from engine.attention.base import backend_for_model, select_backend
+from engine.block_hash import BlockHash, hash_key, hash_root
 from engine.config import EngineConfig
 from engine.cpuinfo import cpu_has_bf16
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.model.config import model_config_from_hf, rope_cos_sin, rope_inv_freq
+from engine.kv_connector import KVConnector
+from engine.kv_fingerprint import kv_fingerprint, model_digest
+from engine.kv_transfer import KVLayoutError, block_shape, export_blocks, import_blocks
+from engine.model.config import model_config_from_hf, rope_tables
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import (
     load_hf_config,
     load_safetensors,
-    load_tokenizer,
     resolve_model,
+    resolve_tokenizer,
 )
 from engine.model_runner import ModelRunner, ScheduledSeq
 from engine.outputs import RequestDelta
@@ -38,6 +40,11 @@ from engine.scheduler import Scheduler
 from engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
+
+
+# Steps with at least this many prompt tokens time the prefill speed (KV sharing's cost model).
+PREFILL_SAMPLE_MIN_TOKENS = 64
+EWMA_WEIGHT = 0.2
 
 
 @dataclass
@@ -56,6 +63,13 @@ class EngineStats:
     kv_usage: float = 0.0
     num_free_blocks: int = 0
     num_blocks: int = 0
+    # Seconds per prompt token of recent prefill-heavy steps (a moving average; None: none yet).
+    prefill_s_per_token: float | None = None
+
+    def observe_prefill(self, seconds: float, tokens: int) -> None:
+        sample = seconds / tokens
+        prev = self.prefill_s_per_token
+        self.prefill_s_per_token = sample if prev is None else prev + EWMA_WEIGHT * (sample - prev)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -107,9 +121,7 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         hf_config, generation_config = load_hf_config(self.model_dir)
         self.model_cfg = model_config_from_hf(hf_config, generation_config)
-        self.tokenizer = load_tokenizer(
-            Path(config.tokenizer) if config.tokenizer else self.model_dir
-        )
+        self.tokenizer = resolve_tokenizer(config.tokenizer, self.model_dir)
         eos = set(self.model_cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -129,13 +141,31 @@ class LLMEngine:
             keep_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.hash_salt = config.hash_salt if config.hash_salt is not None else config.model
+        cfg = self.model_cfg
+        self.kv_fingerprint = kv_fingerprint(
+            model_digest(self.model_dir),
+            self.dtype,
+            config.block_size,
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        # The namespace of every block hash this engine makes (engine.block_hash).
+        self.kv_namespace = f"{self.hash_salt}|{self.kv_fingerprint}"
+        self.hash_key = hash_key(config.kv_hash_key)
 
-        backend = select_backend(config.attention_backend, self.device, self.dtype)
+        chosen = select_backend(config.attention_backend, self.device, self.dtype)
+        needs_window = any(cfg.layer_window(i) for i in range(cfg.num_layers))
+        backend = backend_for_model(chosen, needs_window, cfg.attn_softcap is not None)
+        if backend is not chosen:
+            logger.info(
+                "attention: %s takes the torch backend (%s has no sliding window or soft-capping)",
+                cfg.model_type,
+                chosen.name,
+            )
         model = LlamaForCausalLM(self.model_cfg, backend, self.dtype)
         model.load_hf_weights(load_safetensors(self.model_dir))
-        inv_freq, scaling = rope_inv_freq(hf_config, self.model_cfg.head_dim)
-        cos, sin = rope_cos_sin(inv_freq, scaling, self.max_model_len)
-        model.set_rope_tables(cos, sin)
+        model.set_rope_tables(*rope_tables(hf_config, self.model_cfg, self.max_model_len))
         model.to(self.device)
         if config.prepack_weights:
             model.prepack_linear_weights()
@@ -159,14 +189,16 @@ class LLMEngine:
             self.sampler,
         )
         self.stats = EngineStats(num_blocks=num_blocks)
-        # Called on the engine thread when a request's prompt is fully computed (KV sharing).
-        self.on_prefill_done: Callable[[Request], None] | None = None
+        # An external KV store (engine.kv_connector); set before the engine thread starts.
+        self.kv_connector: KVConnector | None = None
         self._update_gauges()
         logger.info(
-            "engine ready: %s (%s, %s, attention=%s), %d KV blocks of %d tokens",
+            "engine ready: %s (%s %s, %s, forward=%s, attention=%s), %d KV blocks of %d tokens",
             self.model_dir,
+            self.model_cfg.model_type,
             self.device,
             self.dtype,
+            self.model.forward_path(),
             backend.name,
             num_blocks,
             config.block_size,
@@ -230,8 +262,53 @@ class LLMEngine:
 
     def add_prepared_request(self, request: Request) -> None:
         """Queue a request built by ``make_request`` (possibly on another thread)."""
+        if (
+            self.kv_connector is not None
+            and self.kv.enable_caching
+            and not request.skips_prefix_cache
+        ):
+            self._load_external(request, self.kv_connector)
         self.scheduler.add_request(request)
         self._update_gauges()
+
+    def _load_external(self, request: Request, connector: KVConnector) -> None:
+        """Install what the connector has for the request's uncached prompt blocks."""
+        usable = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
+        try:
+            blocks = connector.load(request, self.num_cached_prefix_blocks(usable))
+        except Exception:  # noqa: BLE001 - a store's failure costs a recompute, nothing more
+            logger.warning("KV connector failed for %s", request.request_id, exc_info=True)
+            return
+        if blocks is None:
+            return
+        try:
+            _, installed = import_blocks(self.kv, self.runner, blocks.hashes, blocks.chunks)
+        except KVLayoutError as e:
+            logger.warning("refused imported KV for %s: %s", request.request_id, e)
+            connector.loaded(request, 0, str(e))
+            return
+        request.num_remote_cached_tokens = installed * self.block_size
+        connector.loaded(request, installed, None)
+
+    def num_cached_prefix_blocks(self, hashes: list[BlockHash]) -> int:
+        """How many leading ``hashes`` are cached here. Safe from any thread as a hint (each
+        lookup is atomic; the answer may be stale by the time it is used)."""
+        n = 0
+        for h in hashes:
+            if self.kv.pool.get_cached_block(h) is None:
+                break
+            n += 1
+        return n
+
+    def export_prefix(self, hashes: list[BlockHash]) -> tuple[list[BlockHash], torch.Tensor]:
+        """Engine thread: the KV of the longest leading run of ``hashes`` cached here, a CPU copy
+        laid out as ``engine.kv_transfer`` describes."""
+        return export_blocks(self.kv, self.runner, hashes)
+
+    @property
+    def kv_block_shape(self) -> tuple[int, ...]:
+        """One exported block's shape (``engine.kv_transfer.block_shape``)."""
+        return block_shape(self.runner)
 
     def make_request(
         self,
@@ -244,7 +321,7 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> Request:
         """Validate and build a request without touching engine state (thread-safe). Requests
-        with different ``cache_salt`` share no cached block (``engine.block_hash.salted``)."""
+        with different ``cache_salt`` share no cached block (``engine.block_hash``)."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else as_token_ids(prompt)
         self.validate_prompt(token_ids, params)
@@ -266,7 +343,7 @@ class LLMEngine:
             arrival_time=arrival_time,
             detokenizer=detok,
             block_size=self.config.block_size,
-            hash_salt=salted(self.hash_salt, cache_salt),
+            hash_root=self.hash_root(cache_salt),
         )
         if params.seed is not None:
             request.generator = torch.Generator().manual_seed(params.seed)
@@ -292,13 +369,20 @@ class LLMEngine:
         if out.is_empty:
             self._update_gauges()
             return []
+        scheduled_at = time.monotonic()
         for request in out.first_scheduled:
+            request.scheduled_time = scheduled_at
             self.stats.prompt_tokens += request.num_prompt_tokens
             remote = min(request.num_remote_cached_tokens, request.num_cached_tokens)
             self.stats.cache_hit_tokens_local += request.num_cached_tokens - remote
             self.stats.cache_hit_tokens_remote += remote
         seqs = [ScheduledSeq(r, n, self.kv.block_ids(r.request_id)) for r, n in out.scheduled]
+        started = time.perf_counter()
         step = self.runner.execute(seqs)
+        prefill_tokens = sum(n for _, n in out.scheduled if n > 1)
+        if prefill_tokens >= PREFILL_SAMPLE_MIN_TOKENS:
+            # Decodes sharing the step are few rows next to a chunk of this size.
+            self.stats.observe_prefill(time.perf_counter() - started, prefill_tokens)
         sampled, result = step.sampled, step.sampler
         for request, entries in step.prompt_logprobs:
             request.prompt_logprobs.extend(entries)
@@ -314,8 +398,8 @@ class LLMEngine:
             first = request.first_token_time is None
             if first:
                 request.first_token_time = now
-                if self.on_prefill_done is not None:
-                    self.on_prefill_done(request)
+                if self.kv_connector is not None:
+                    self.kv_connector.on_prompt_computed(request)
             status = self._check_stop(request, token)
             if status is not None:
                 self.scheduler.finish_request(request, status)
@@ -336,6 +420,8 @@ class LLMEngine:
                     num_output_tokens=request.num_output_tokens,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     num_remote_cached_tokens=request.num_remote_cached_tokens,
+                    scheduled_time=request.scheduled_time,
+                    first_token_time=request.first_token_time,
                     stop_reason=request.stop_reason,
                     logprobs=[logprobs] if logprobs is not None else None,
                     prompt_logprobs=list(request.prompt_logprobs)
@@ -395,4 +481,9 @@ class LLMEngine:
             "block_size": self.config.block_size,
             "num_kv_blocks": self.num_blocks,
             "hash_salt": self.hash_salt,
+            "kv_namespace": self.kv_namespace,
         }
+
+    def hash_root(self, cache_salt: str | None = None) -> bytes:
+        """The root of this engine's block hash chains for requests with ``cache_salt``."""
+        return hash_root(self.kv_namespace, self.hash_key, cache_salt)

@@ -21,6 +21,10 @@ class RequestDelta:
     num_output_tokens: int
     num_cached_tokens: int
     num_remote_cached_tokens: int = 0
+    # time.monotonic() of the request's first scheduling and first token, in the engine's
+    # process (for queue / prefill / decode latencies).
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
     # Only on a request's first delta, and only when asked for (see Request.prompt_logprobs).

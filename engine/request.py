@@ -72,7 +72,7 @@ class Request:
         arrival_time: float | None = None,
         detokenizer: IncrementalDetokenizer | None = None,
         block_size: int = 16,
-        hash_salt: str = "",
+        hash_root: bytes | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -98,9 +98,15 @@ class Request:
             [None] if sampling_params.prompt_logprobs is not None else []
         )
         self.block_size = block_size
-        self.hash_salt = hash_salt
+        # The root of the block hash chain (engine.block_hash.hash_root; None: unnamespaced).
+        self.hash_root = hash_root
         self.block_hashes: list[BlockHash] = []
+        # time.monotonic() when first scheduled (the end of its queueing; not reset by preemption).
+        self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        # What a KV connector fetched for this request before it was added (engine.kv_connector);
+        # the connector takes it when the request is added.
+        self.kv_transfer: Any = None
         # torch.Generator of a seeded request, set by the engine.
         self.generator: Any = None
         # With structured_outputs: the grammar matcher (llguidance.LLMatcher), set by the engine;
@@ -147,7 +153,7 @@ class Request:
         self.update_block_hashes()
 
     def update_block_hashes(self) -> None:
-        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.hash_salt)
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.hash_root)
 
     def __repr__(self) -> str:
         return (

@@ -37,6 +37,8 @@ class RouterConfig:
     # Cost of importing one block that another replica published to the shared KV directory
     # instead of recomputing it (block-prefill units). Only used when the caller says which hashes
     # the directory holds. Below prefill_cost_per_block, a directory hit counts as a cheap miss.
+    # A replica that reports its measured ``transfer_cost_ratio`` (seconds to import a block over
+    # seconds to prefill one) is priced at prefill_cost_per_block * that ratio instead.
     transfer_cost_per_block: float = 0.25
     # Cost of each prompt block already queued for prefill on a replica (block-prefill units per
     # block). Requests count alike whatever their prompt; this term tells a replica that is busy

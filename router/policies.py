@@ -235,9 +235,8 @@ class PrefixAwarePolicy(RoutingPolicy):
         loads = [v.estimated_load for v in views]
         min_load = min(loads)
         hot_above = max(min_load + cfg.imbalance_abs, min_load * cfg.imbalance_rel)
-        prefill, transfer_w, load_w, queued_w = (
+        prefill, load_w, queued_w = (
             cfg.prefill_cost_per_block,
-            cfg.transfer_cost_per_block,
             cfg.load_cost_per_request,
             cfg.queued_prefill_cost_per_block,
         )
@@ -246,6 +245,10 @@ class PrefixAwarePolicy(RoutingPolicy):
             matched = view.matched_blocks(block_hashes, now, ttl)
             transfer = 0 if run_end is None else run_end[matched] - matched
             uncached = n - matched - transfer
+            # A replica that measured its import and prefill speeds prices a transferred block
+            # by them; the configured weight stands in until it has.
+            ratio = view.transfer_cost_ratio
+            transfer_w = cfg.transfer_cost_per_block if ratio is None else prefill * ratio
             # Queued prefill may be this request's own prefix (a burst sharing a new prompt): the
             # matched blocks are not counted against the replica, or bursts would scatter.
             queued = max(0, view.estimated_prefill_blocks - matched)

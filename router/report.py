@@ -6,7 +6,9 @@ Contract (a plain dict, so that it crosses process and pickling boundaries uncha
      "num_running": int, "num_waiting": int, "kv_free_blocks": int, "kv_total_blocks": int,
      "cached_block_hashes": list[int],   # every hash in the replica's prefix cache (full snapshot)
      "reported_at": float,               # time.time() when the snapshot was taken
-     "num_pending_prefill_tokens": int}  # optional (0 if absent): prompt tokens queued for prefill
+     "num_pending_prefill_tokens": int,  # optional (0 if absent): prompt tokens queued for prefill
+     "transfer_cost_ratio": float}       # optional: seconds to import a block over seconds to
+                                         # prefill one, as the replica measured them
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class ReplicaReport:
     cached_block_hashes: frozenset[int]
     reported_at: float
     num_pending_prefill_tokens: int = 0
+    transfer_cost_ratio: float | None = None
 
     @property
     def load(self) -> int:
@@ -65,6 +68,16 @@ class ReplicaReport:
             raise ValueError(
                 f"routing stats: num_pending_prefill_tokens must be a non-negative int, got {pending!r}"
             )
+        ratio = stats.get("transfer_cost_ratio")
+        if ratio is not None and (
+            isinstance(ratio, bool)
+            or not isinstance(ratio, int | float)
+            or not math.isfinite(ratio)
+            or ratio < 0
+        ):
+            raise ValueError(
+                f"routing stats: transfer_cost_ratio must be a non-negative number, got {ratio!r}"
+            )
         hashes = stats["cached_block_hashes"]
         if isinstance(hashes, str | bytes) or not hasattr(hashes, "__iter__"):
             raise ValueError("routing stats: cached_block_hashes must be a list of ints")
@@ -79,4 +92,5 @@ class ReplicaReport:
             cached_block_hashes=frozenset(hashes),
             reported_at=float(stats["reported_at"]),
             num_pending_prefill_tokens=pending,
+            transfer_cost_ratio=None if ratio is None else float(ratio),
         )

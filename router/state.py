@@ -58,6 +58,7 @@ class ReplicaView:
         "reported_prefill_blocks",
         "inflight_prefill",
         "unreported_prefill",
+        "transfer_cost_ratio",
     )
 
     def __init__(self, replica_id: str) -> None:
@@ -78,6 +79,8 @@ class ReplicaView:
         self.completed_since = 0
         self.reported_prefill_blocks = 0
         self.inflight_prefill: dict[str, int] = {}
+        # Measured import-vs-prefill cost of a block on this replica (None: not measured yet).
+        self.transfer_cost_ratio: float | None = None
         self.unreported_prefill = 0
 
     @property
@@ -226,6 +229,7 @@ class ClusterState:
         view.kv_free_blocks = report.kv_free_blocks
         view.kv_total_blocks = report.kv_total_blocks
         view.cached = report.cached_block_hashes
+        view.transfer_cost_ratio = report.transfer_cost_ratio
         view.report_at = report.reported_at
         view.set_prefill(-(-report.num_pending_prefill_tokens // max(1, report.block_size)))
         view.drop_stale_decisions(now, self.decision_ttl_s, report.reported_at)

@@ -21,13 +21,16 @@ def make_tiny_llama(
     seed: int = 0,
     tokenizer_from: Path | None = None,
     model_type: str = "llama",
+    perturb_norms: bool = False,
     **extra: object,
 ) -> Path:
     """Save a random Llama-family checkpoint (config.json + safetensors) to ``path``.
 
     Weights are drawn with a large init range so that logits are well separated: greedy decoding
     then does not hinge on float rounding differences between implementations. Biases (which
-    transformers initialises to zero) are drawn too, so that a model that ignores them differs.
+    transformers initialises to zero) are drawn too, so that a model that ignores them differs;
+    with ``perturb_norms`` so are norm weights (initialised to one, or to zero where the norm
+    scales by 1 + w). ``model_type`` may name any family the engine supports.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -53,6 +56,10 @@ def make_tiny_llama(
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.2)
+            elif perturb_norms and "norm" in name:
+                # Norm weights start at 1 (or 0 where the norm scales by 1 + w): move them, so
+                # that a model that skips or misplaces a norm differs.
+                param.add_(torch.randn_like(param), alpha=0.2)
     model.save_pretrained(path)
     if tokenizer_from is not None:
         from transformers import AutoTokenizer
@@ -89,3 +96,57 @@ def hf_greedy(
             )
             outs.append(gen[0, len(p) :].tolist())
     return outs
+
+
+# Tiny configs of Llama 3.x and the families beyond Llama, shaped like the real ones where it matters: Qwen3's
+# head_dim differs from hidden / heads; Phi-4-mini rotates 3/4 of each head with longrope;
+# Gemma's windows (16) are shorter than the prompts, and Gemma 3's global layers scale RoPE.
+TINY_FAMILIES: dict[str, dict[str, object]] = {
+    # Llama 3.x's RoPE scaling, with prompts that run past its original length (128).
+    "llama3": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+    },
+    "qwen3": {"model_type": "qwen3", "head_dim": 32},
+    "phi3": {"model_type": "phi3"},
+    "phi4-mini": {
+        "model_type": "phi3",
+        "partial_rotary_factor": 0.75,
+        "tie_word_embeddings": True,
+        "original_max_position_embeddings": 64,
+        "rope_scaling": {
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.1, 1.3, 1.7, 2.0, 3.0],
+            "long_factor": [1.0, 1.5, 2.0, 4.0, 6.0, 9.0],
+        },
+    },
+    "gemma2": {
+        "model_type": "gemma2",
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 16,
+    },
+    "gemma3": {
+        "model_type": "gemma3_text",
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    },
+}
+
+
+def make_tiny_family(path: Path, family: str, seed: int = 3, **overrides: object) -> Path:
+    """A tiny random checkpoint of one of ``TINY_FAMILIES``."""
+    return make_tiny_llama(
+        path, seed=seed, perturb_norms=True, **{**TINY_FAMILIES[family], **overrides}
+    )

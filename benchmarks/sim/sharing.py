@@ -6,7 +6,8 @@ import rules mirror ``deployments.kv_sharing.KVSharing``:
 
 - publish, when a request's prompt is fully computed: the prompt's full blocks from block 0, if
   the request computed at least ``min_blocks`` of them itself; the directory skips the leading
-  run it already holds, and only the blocks still cached on the replica are published;
+  run it already holds, and only the blocks still cached on the replica are published, as
+  objects of at most ``max_blocks_per_object`` blocks (the directory evicts whole objects);
 - import, when a request reaches a replica: the run of blocks the directory holds right after
   the replica's local prefix hit (within the first ``(prompt_len - 1) // block_size`` blocks), if
   at least ``min_blocks`` long. The request joins the replica's queue after the transfer time,
@@ -26,9 +27,11 @@ from benchmarks.sim.replica import SimReplica, SimRequest
 
 
 class SimDirectory:
-    def __init__(self, capacity_blocks: int, min_blocks: int = 4) -> None:
+    def __init__(
+        self, capacity_blocks: int, min_blocks: int = 4, max_blocks_per_object: int = 32
+    ) -> None:
         # Imported lazily: the module imports ray (~1 s), needed only with KV sharing.
-        from deployments.kv_directory import KVDirectoryState
+        from deployments.kv_directory import BlockLayout, KVDirectoryState
 
         if capacity_blocks < 1 or min_blocks < 1:
             raise ValueError("directory capacity and min_blocks must be >= 1")
@@ -37,6 +40,8 @@ class SimDirectory:
             capacity_bytes=capacity_blocks, eviction="lru", owner_timeout_s=math.inf
         )
         self.min_blocks = min_blocks
+        self.max_blocks_per_object = max_blocks_per_object
+        self.layout = BlockLayout("simulated", ())
         self.imported_blocks = 0
         self.imports = 0
 
@@ -60,7 +65,11 @@ class SimDirectory:
         found = todo[: replica.local_prefix_blocks(todo)]
         if len(found) < self.min_blocks:
             return 0
-        return self.state.publish(replica.replica_id, found, [None], 1)
+        step = self.max_blocks_per_object
+        return sum(
+            self.state.publish(replica.replica_id, found[i : i + step], [None], 1, self.layout)
+            for i in range(0, len(found), step)
+        )
 
     def plan_import(self, replica: SimReplica, request: SimRequest) -> list[int]:
         """Hashes to import for ``request`` on ``replica`` (empty: nothing worth importing).
@@ -72,4 +81,4 @@ class SimDirectory:
         entries = self.state.lookup(wanted)
         if len(entries) < self.min_blocks:
             return []
-        return [h for h, *_ in entries]
+        return [loc.block_hash for loc in entries]

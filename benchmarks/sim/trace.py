@@ -9,7 +9,7 @@ ids and the engine hashes full blocks with ``engine.block_hash`` (each hash chai
 parent). Generating those tokens for a whole trace is wasteful (at ``block_tokens=512`` it is 22
 million ids), so the simulator chains the engine's hash over the ids themselves::
 
-    H(block i) = hash_block_tokens(H(block i-1), [id_i low 32 bits, id_i high 32 bits], SALT)
+    H(block i) = hash_block_tokens(H(block i-1), [id_i low 32 bits, id_i high 32 bits], ROOT)
 
 Two prompts then share their first ``k`` block hashes exactly when they share their first ``k``
 hash ids, which is exactly when the live prompts share their first ``k * block_tokens`` tokens:
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.workloads import scale_trace_shape, trace_slice
-from engine.block_hash import hash_block_tokens
+from engine.block_hash import hash_block_tokens, hash_root
 
-SALT = "mooncake-trace"
+ROOT = hash_root("mooncake-trace")
 _U32 = 0xFFFFFFFF
 
 
@@ -56,7 +56,7 @@ def chain_hash_ids(
         key = (parent, h)
         value = memo.get(key) if memo is not None else None
         if value is None:
-            value = hash_block_tokens(parent, [h & _U32, (h >> 32) & _U32], SALT)
+            value = hash_block_tokens(parent, [h & _U32, (h >> 32) & _U32], ROOT)
             if memo is not None:
                 memo[key] = value
         out.append(value)

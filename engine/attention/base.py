@@ -46,6 +46,10 @@ class AttentionBackend:
     """
 
     name = "base"
+    # Whether ``forward`` takes the keyword options ``window`` (sliding-window layers) and
+    # ``softcap`` (tanh soft-capping of the scores); models that need them run elsewhere.
+    supports_window = False
+    supports_softcap = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Precompute per-step tensors shared by every layer (stored in ``meta.extra``)."""
@@ -73,7 +77,11 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """``q [T, H, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, H, D]``."""
+        """``q [T, H, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, H, D]``. A backend that
+        ``supports_window`` / ``supports_softcap`` also takes ``window=`` (a query at position
+        ``p`` sees keys ``p - window + 1 .. p``) and ``softcap=`` (scores -> ``cap *
+        tanh(scores / cap)`` before the mask); a model passes them only for layers that need
+        them."""
         raise NotImplementedError
 
     def native_step(self, meta: AttentionMetadata) -> tuple[torch.Tensor, ...] | None:
@@ -131,3 +139,17 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> Atten
 
         return TorchAttentionBackend()
     raise ValueError(f"attention_backend: unknown backend {name!r}")
+
+
+def backend_for_model(
+    backend: AttentionBackend, needs_window: bool, needs_softcap: bool
+) -> AttentionBackend:
+    """``backend``, or the reference ``torch`` backend where the model needs a sliding window or
+    soft-capping that ``backend`` does not compute."""
+    if (needs_window and not backend.supports_window) or (
+        needs_softcap and not backend.supports_softcap
+    ):
+        from engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    return backend

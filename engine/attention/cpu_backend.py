@@ -49,6 +49,9 @@ def _pairs(qlen: int, keys: int) -> int:
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
+    # The native kernel reads every key of a context and has no soft-capping.
+    supports_window = False
+    supports_softcap = False
 
     def __init__(self, dtype: torch.dtype | None = None) -> None:
         if not native.available():

@@ -70,16 +70,39 @@ def _cache_dir() -> Path:
     return cache_dir() / "kernels"
 
 
+# Why the last load() found no library: a short code (a metric label) or None.
+_unavailable_reason: str | None = None
+
+
+def _unavailable(reason: str, detail: str, level: int = logging.WARNING) -> None:
+    """Record and log why the kernels are unavailable. A WARNING unless asked for: without them
+    every step runs the PyTorch path, several times slower on CPU (docs/performance.md)."""
+    global _unavailable_reason
+    _unavailable_reason = reason
+    logger.log(
+        level, "native kernels unavailable (%s): %s; the engine runs the slower PyTorch path",
+        reason, detail,
+    )  # fmt: skip
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernels are loaded; else ``disabled`` (PREFIXSERVE_NATIVE_KERNELS=0),
+    ``not_linux``, ``no_compiler`` or ``build_failed``."""
+    return None if load() is not None else _unavailable_reason
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when it is disabled or cannot be built."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
+        _unavailable("disabled", f"{ENV_SWITCH}=0", logging.INFO)
         return None
     if platform.system() != "Linux":
+        _unavailable("not_linux", f"they are built for Linux only, not {platform.system()}")
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
-        logger.info("no C compiler found: native attention kernel disabled")
+        _unavailable("no_compiler", "no C compiler found (install gcc, or set $CC)")
         return None
     try:
         path = kernel_cache.cached_library(
@@ -88,7 +111,7 @@ def load() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
-        logger.warning("native attention kernel unavailable (%s) %s", exc, detail.decode()[-500:])
+        _unavailable("build_failed", f"{exc} {detail.decode()[-500:]}")
         return None
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn = lib.paged_attention

@@ -5,6 +5,13 @@ heads of a KV group laid out as query rows (no K/V repetition for GQA). Prefills
 per sequence. A prefill chunk that follows cached or earlier-computed context needs a causal mask
 aligned to the *bottom right* (query ``i`` sees keys ``0 .. ctx - qlen + i``); SDPA's
 ``is_causal=True`` is aligned top-left, so it is only used when the chunk is the whole context.
+
+Sliding-window layers (``window``: a query at position ``p`` sees keys ``p - window + 1 .. p``)
+and tanh soft-capping of the scores (``softcap``) are options of :meth:`forward`; the cache keeps
+every position's K/V either way, so a prefix-cache hit serves windowed layers unchanged, and the
+window only narrows what a query reads: a windowed layer gathers only the blocks that hold its
+queries' windows. Soft-capping has no SDPA kernel: those layers compute
+the scores explicitly, as transformers' eager attention does.
 """
 
 from __future__ import annotations
@@ -15,8 +22,31 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
 
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """SDPA over ``q [..., Hkv, rows, D]`` and ``k``/``v [..., Hkv, keys, D]`` (``mask``: True
+    where a row may see a key; None: no mask), or with ``softcap`` transformers' eager order:
+    scores scaled, capped, masked, softmax in float32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    supports_window = True
+    supports_softcap = True
 
     def prepare(self, meta: AttentionMetadata) -> None:
         nd = meta.num_decodes
@@ -39,13 +69,46 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         self.write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
+        if window is None and softcap is None:
+            if meta.num_decodes:
+                self.decode_forward(q, k_cache, v_cache, meta, scale, out)
+            self.prefill_forward(q, k, v, k_cache, v_cache, meta, scale, out)
+            return out
         if meta.num_decodes:
-            self.decode_forward(q, k_cache, v_cache, meta, scale, out)
-        self.prefill_forward(q, k, v, k_cache, v_cache, meta, scale, out)
+            self.decode_forward(q, k_cache, v_cache, meta, scale, out, window, softcap)
+        for i in range(meta.num_decodes, meta.num_seqs):
+            self.prefill_one(q, k, v, k_cache, v_cache, meta, scale, out, i, window, softcap)
         return out
+
+    @staticmethod
+    def _decode_view(
+        meta: AttentionMetadata, window: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decodes' block tables ``[nd, n]`` to gather and the mask ``[nd, 1, 1, n *
+        block_size]`` of the keys each sees, made once per step and window. Windowed: only the
+        blocks that hold a decode's last ``window`` positions, from its own first such block."""
+        if window is None:
+            return meta.extra["decode_block_tables"], meta.extra["decode_mask"]
+        key = ("decode_window", window)
+        if key not in meta.extra:
+            bs = meta.block_size
+            full = meta.extra["decode_block_tables"]
+            lens = meta.seq_lens[: meta.num_decodes]
+            # ``window`` consecutive positions touch at most this many blocks.
+            n = min(full.shape[1], (window - 1) // bs + 2)
+            first = (lens - window).clamp(min=0) // bs
+            blocks = first[:, None] + torch.arange(n, device=lens.device)[None, :]
+            tables = full.gather(1, blocks.clamp(max=full.shape[1] - 1))
+            # Positions from the unclamped block numbers: a clamped repeat lies past the end.
+            pos = (blocks[:, :, None] * bs + torch.arange(bs, device=lens.device)).flatten(1)
+            keep = (pos < lens[:, None]) & (pos >= lens[:, None] - window)
+            meta.extra[key] = (tables, keep[:, None, None, :])
+        return meta.extra[key]
 
     def decode_forward(
         self,
@@ -55,21 +118,21 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         """Attention of the one-token decode sequences ``[0, num_decodes)`` into ``out``."""
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         num_heads = q.shape[1]
         group = num_heads // num_kv_heads
         nd = meta.num_decodes
-        tables = meta.extra["decode_block_tables"]
+        tables, mask = self._decode_view(meta, window)
         span = tables.shape[1] * block_size
         flat = tables.reshape(-1)
         kk = k_cache.index_select(0, flat).view(nd, span, num_kv_heads, head_dim).transpose(1, 2)
         vv = v_cache.index_select(0, flat).view(nd, span, num_kv_heads, head_dim).transpose(1, 2)
         qq = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(
-            qq, kk, vv, attn_mask=meta.extra["decode_mask"], scale=scale
-        )
+        o = attend(qq, kk, vv, mask, scale, softcap)
         out[:nd] = o.reshape(nd, num_heads, head_dim)
 
     def prefill_forward(
@@ -99,6 +162,8 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         out: torch.Tensor,
         i: int,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         """Attention of sequence ``i``'s query tokens into ``out``: over the chunk's own K/V when
         the chunk is the whole context, else over the context gathered from the cache."""
@@ -107,6 +172,28 @@ class TorchAttentionBackend(AttentionBackend):
         qlen = end - start
         ctx = meta.seq_lens_list[i]
         qi = q[start:end].transpose(0, 1).unsqueeze(0)
+        if window is not None or softcap is not None:
+            nb = -(-ctx // block_size)
+            # The first key any query of the chunk sees, rounded down to its block.
+            lo = max(0, ctx - qlen - window + 1) // block_size if window is not None else 0
+            base = lo * block_size
+            ids = meta.block_tables[i, lo:nb]
+            ki = k_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[: ctx - base]
+            vi = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[: ctx - base]
+            group = q.shape[1] // num_kv_heads
+            # Query heads of one KV head as rows: [1, Hkv, group * qlen, D], no K/V repeat.
+            qg = qi.reshape(1, num_kv_heads, group * qlen, head_dim)
+            ki = ki.transpose(0, 1).unsqueeze(0)
+            vi = vi.transpose(0, 1).unsqueeze(0)
+            rows = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
+            cols = torch.arange(base, ctx, device=q.device)[None, :]
+            mask = cols <= rows
+            if window is not None:
+                mask &= cols > rows - window
+            mask = mask.repeat(group, 1)
+            o = attend(qg, ki, vi, mask, scale, softcap).reshape(1, q.shape[1], qlen, head_dim)
+            out[start:end] = o.squeeze(0).transpose(0, 1)
+            return
         if ctx == qlen:
             ki = k[start:end].transpose(0, 1).unsqueeze(0)
             vi = v[start:end].transpose(0, 1).unsqueeze(0)

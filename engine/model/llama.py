@@ -1,8 +1,17 @@
-"""A Llama-family decoder (Llama 1-3, Mistral, SmolLM2, TinyLlama; Qwen2's qkv bias) over one
-flat batch of tokens: no padding, no batch dimension; positions and KV slots come per token.
+"""The decoder of every supported family over one flat batch of tokens: no padding, no batch
+dimension; positions and KV slots come per token.
 
-Numerics follow transformers' implementation op for op (RMSNorm in float32, RoPE tables in float32
-cast to the model dtype, rotate-half RoPE), so that float32 greedy decoding is token-identical.
+A Llama (Llama 1-3, Mistral, SmolLM2, TinyLlama; Qwen2's qkv bias; Phi-3's checkpoint fuses
+qkv and gate/up, which is this layout already) plus the options of ``engine.model.families``:
+Qwen3's q/k norms, Gemma 2/3's (1 + w) norms around attention and MLP, scaled embeddings, GeGLU,
+soft-capping and sliding layers, Phi-4-mini's partial RoPE. Numerics follow transformers'
+implementation op for op (RMSNorm in float32, RoPE tables in float32 cast to the model dtype,
+rotate-half RoPE), so that float32 greedy decoding is token-identical.
+
+Paths: a Llama (``ModelConfig.is_plain_llama``) on CPU takes the fused kernels (Qwen3's q/k
+norms included) and, in bf16, the native decode stack; every other model takes the reference
+loop of :meth:`LlamaForCausalLM.forward`. :meth:`LlamaForCausalLM.forward_path` names the one
+taken.
 """
 
 from __future__ import annotations
@@ -14,22 +23,46 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.model import fused
 from engine.model.config import ModelConfig
+from engine.model.families import checkpoint_names, text_weights
 from engine.model.linear import PackedWeight, linear, pack_weight, silu_mul_linear
 from engine.model.native_forward import NativeForward
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False
+) -> torch.Tensor:
+    """Llama's RMSNorm (normed x cast to the dtype, then times w), or with ``gemma`` Gemma's
+    (times 1 + w in float32, then cast)."""
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (xf * (1.0 + weight.float())).to(dtype)
     return weight * xf.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [T, heads, D]``; ``cos``/``sin [T, 1, D/2]`` in x's dtype."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """``x [T, heads, D]``; ``cos``/``sin [T, 1, R/2]`` in x's dtype: rotates the first ``R``
+    dims of each head (all of them unless RoPE is partial) and passes the rest."""
+    rot = 2 * cos.shape[-1]
+    xr = x[..., :rot]
+    half = rot // 2
+    x1, x2 = xr[..., :half], xr[..., half:]
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    if rot == x.shape[-1]:
+        return rotated
+    return torch.cat((rotated, x[..., rot:]), dim=-1)
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma 2's ``cap * tanh(x / cap)``, in transformers' order of operations."""
+    return torch.tanh(x / cap) * cap
+
+
+def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "gelu_pytorch_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    return F.silu(gate) * up
 
 
 LINEAR_WEIGHTS = ("qkv", "o", "gate_up", "down")
@@ -44,6 +77,10 @@ class DecoderLayer(nn.Module):
             return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
         self.input_norm = param(h)
+        self.q_norm = param(cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = param(cfg.head_dim) if cfg.qk_norm else None
+        self.attn_out_norm = param(h) if cfg.sandwich_norm else None
+        self.mlp_out_norm = param(h) if cfg.sandwich_norm else None
         self.qkv = param(qkv, h)
         self.qkv_bias = param(qkv) if cfg.qkv_bias else None
         self.o = param(h, cfg.q_size)
@@ -75,7 +112,19 @@ class LlamaForCausalLM(nn.Module):
                 torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
             )
         )
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
+        # Whether the fused and native CPU paths cover this model (read on every step).
+        self.plain_llama = cfg.is_plain_llama
+        # Keyword options of each layer's attention call beyond a Llama's (sliding window,
+        # soft-capping); empty for a Llama, so that every backend serves it.
+        self.attn_options: list[dict[str, float | int]] = [
+            {
+                k: v
+                for k, v in (("window", cfg.layer_window(i)), ("softcap", cfg.attn_softcap))
+                if v is not None
+            }
+            for i in range(cfg.num_layers)
+        ]
         self.lm_head_packed: PackedWeight | None = None
         # Fused native elementwise kernels on CPU (engine.model.fused); a switch so
         # tests can compare against the reference ops.
@@ -86,9 +135,30 @@ class LlamaForCausalLM(nn.Module):
         self.use_native_forward = True
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        # Tables of the sliding layers where they have their own RoPE (cfg.local_rope).
+        self.register_buffer("local_rope_cos", None, persistent=False)
+        self.register_buffer("local_rope_sin", None, persistent=False)
 
-    def set_rope_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def set_rope_tables(
+        self,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        local: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """float32 ``[max_pos, rope_dim // 2]`` tables; ``local``: the sliding layers' own."""
+        if self.cfg.local_rope and local is None:
+            raise ValueError("model: this model's sliding layers need RoPE tables of their own")
         self.rope_cos, self.rope_sin = cos, sin
+        if local is not None:
+            self.local_rope_cos, self.local_rope_sin = local
+
+    def forward_path(self) -> str:
+        """Which forward this model takes on its device and dtype: ``native`` (the whole bf16
+        decode stack in one call, where a step qualifies; else ``fused``), ``fused`` (native
+        elementwise kernels around the linear layers) or ``reference`` (PyTorch ops)."""
+        if not (self.use_fused and self.plain_llama and fused.enabled(self.embed)):
+            return "reference"
+        return "native" if self.native_forward is not None and self.use_native_forward else "fused"
 
     def forward(
         self,
@@ -98,33 +168,58 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Returns the final hidden states ``[T, hidden]`` (normed)."""
-        if self.use_fused and fused.enabled(self.embed):
-            if self.native_forward is not None and self.use_native_forward:
-                hidden = self.native_forward.run(input_ids, positions, kv_caches, meta)
-                if hidden is not None:
-                    return hidden
+        path = self.forward_path()
+        if path == "native":
+            hidden = self.native_forward.run(input_ids, positions, kv_caches, meta)
+            if hidden is not None:
+                return hidden
+        if path != "reference":
             return self._forward_fused(input_ids, positions, kv_caches, meta)
         cfg = self.cfg
         x = F.embedding(input_ids, self.embed)
         dtype = x.dtype
-        cos = self.rope_cos[positions].to(dtype).unsqueeze(1)
-        sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
+        if cfg.embed_scale is not None:
+            x = x * torch.tensor(cfg.embed_scale, dtype=dtype)
+        tables = {False: self._rope_rows(self.rope_cos, self.rope_sin, positions, dtype)}
+        if cfg.local_rope:
+            tables[True] = self._rope_rows(
+                self.local_rope_cos, self.local_rope_sin, positions, dtype
+            )
         t = x.shape[0]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+
+        def norm(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return rms_norm(y, weight, cfg.rms_norm_eps, cfg.gemma_norm)
+
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            h = norm(x, layer.input_norm)
             packed = layer.packed
             qkv = linear(h, layer.qkv, layer.qkv_bias, packed["qkv"])
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            q = q.view(t, cfg.num_heads, cfg.head_dim)
+            k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q, k = norm(q, layer.q_norm), norm(k, layer.k_norm)
+            cos, sin = tables[cfg.local_rope and cfg.layer_window(i) is not None]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-            attn = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-            x = x + linear(attn.reshape(t, cfg.q_size), layer.o, layer.o_bias, packed["o"])
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            attn = self.backend.forward(
+                q, k, v, k_cache, v_cache, meta, self.scale, **self.attn_options[i]
+            )
+            o = linear(attn.reshape(t, cfg.q_size), layer.o, layer.o_bias, packed["o"])
+            x = x + (norm(o, layer.attn_out_norm) if cfg.sandwich_norm else o)
+            h = norm(x, layer.post_norm)
             gate_up = linear(h, layer.gate_up, layer.gate_up_bias, packed["gate_up"])
             gate, up = gate_up.chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down, layer.down_bias, packed["down"])
-        return rms_norm(x, self.norm, cfg.rms_norm_eps)
+            act = gated_act(gate, up, cfg.hidden_act)
+            d = linear(act, layer.down, layer.down_bias, packed["down"])
+            x = x + (norm(d, layer.mlp_out_norm) if cfg.sandwich_norm else d)
+        return norm(x, self.norm)
+
+    @staticmethod
+    def _rope_rows(
+        cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return cos[positions].to(dtype).unsqueeze(1), sin[positions].to(dtype).unsqueeze(1)
 
     def _forward_fused(
         self,
@@ -145,6 +240,8 @@ class LlamaForCausalLM(nn.Module):
             packed = layer.packed
             h = fused.add_rms_norm(x, delta, layer.input_norm, eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias, packed["qkv"])
+            if cfg.qk_norm:
+                self._qk_norm_(qkv, layer)
             fused.rope_(
                 qkv,
                 positions,
@@ -166,9 +263,21 @@ class LlamaForCausalLM(nn.Module):
             delta = linear(act, layer.down, layer.down_bias, packed["down"])
         return fused.add_rms_norm(x, delta, self.norm, eps)
 
+    def _qk_norm_(self, qkv: torch.Tensor, layer: DecoderLayer) -> None:
+        """Qwen3's per-head RMSNorm of q and k, in place inside the qkv output."""
+        cfg = self.cfg
+        t, q_size, kv_size = qkv.shape[0], cfg.q_size, cfg.kv_size
+        q = qkv[:, :q_size].view(t, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
+        q.copy_(rms_norm(q, layer.q_norm, cfg.rms_norm_eps))
+        k.copy_(rms_norm(k, layer.k_norm, cfg.rms_norm_eps))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype (the sampler converts when it needs float32)."""
-        return linear(hidden, self.lm_head, None, self.lm_head_packed)
+        logits = linear(hidden, self.lm_head, None, self.lm_head_packed)
+        if self.cfg.final_softcap is not None:
+            logits = soft_cap(logits, self.cfg.final_softcap)
+        return logits
 
     @torch.no_grad()
     def prepack_linear_weights(self) -> bool:
@@ -185,14 +294,17 @@ class LlamaForCausalLM(nn.Module):
                 name: pack_weight(getattr(layer, name), gated=name == "gate_up")
                 for name in LINEAR_WEIGHTS
             }
-        self.native_forward = NativeForward(self) if NativeForward.supported(self) else None
+        native = self.cfg.is_plain_llama and not self.cfg.qk_norm and NativeForward.supported(self)
+        self.native_forward = NativeForward(self) if native else None
         return True
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy a Hugging Face Llama/Qwen2 state dict in, fusing q/k/v and gate/up."""
+        """Copy a Hugging Face state dict of a supported family in, fusing q/k/v and gate/up
+        (Phi-3's checkpoint has them fused already)."""
         cfg = self.cfg
+        weights = text_weights(weights)
         # Packed copies would go stale: drop them (prepack again after loading).
         self.lm_head_packed = None
         self.native_forward = None
@@ -208,13 +320,22 @@ class LlamaForCausalLM(nn.Module):
         self.norm.copy_(take("model.norm.weight"))
         if not cfg.tie_word_embeddings:
             self.lm_head.copy_(take("lm_head.weight"))
+
+        def fused_or_cat(fused_name: str, parts: list[str]) -> torch.Tensor:
+            if fused_name in weights:
+                return weights[fused_name]
+            return torch.cat([take(n) for n in parts], dim=0)
+
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            layer.input_norm.copy_(take(p + "input_layernorm.weight"))
-            layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
+            for attr, name in checkpoint_names(i, cfg.sandwich_norm).items():
+                getattr(layer, attr).copy_(take(name))
             attn = p + "self_attn."
+            if cfg.qk_norm:
+                layer.q_norm.copy_(take(attn + "q_norm.weight"))
+                layer.k_norm.copy_(take(attn + "k_norm.weight"))
             layer.qkv.copy_(
-                torch.cat([take(attn + f"{n}_proj.weight") for n in ("q", "k", "v")], dim=0)
+                fused_or_cat(attn + "qkv_proj.weight", [attn + f"{n}_proj.weight" for n in "qkv"])
             )
             if layer.qkv_bias is not None:
                 layer.qkv_bias.copy_(
@@ -225,7 +346,9 @@ class LlamaForCausalLM(nn.Module):
                 layer.o_bias.copy_(take(attn + "o_proj.bias"))
             mlp = p + "mlp."
             layer.gate_up.copy_(
-                torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")], dim=0)
+                fused_or_cat(
+                    mlp + "gate_up_proj.weight", [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+                )
             )
             if layer.gate_up_bias is not None:
                 layer.gate_up_bias.copy_(

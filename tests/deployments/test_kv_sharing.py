@@ -132,3 +132,93 @@ def test_owner_death_falls_back_to_recompute(serve_instance, tiny_llama_with_tok
             time.sleep(1.0)
     finally:
         undeploy(APP)
+
+
+def _directory_actor() -> ray.actor.ActorHandle:
+    (actor,) = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if "kv_directory" in a["name"] and APP in a["name"]
+    ]
+    return ray.get_actor(actor["name"], namespace=actor["namespace"])
+
+
+def _remote_hits(base_url: str) -> float:
+    return total(metrics(base_url), "prefixserve_prefix_cache_hit_tokens_total", source="remote")
+
+
+def test_directory_death_is_survived(serve_instance, tiny_llama_with_tokenizer):
+    """The directory actor dies under traffic: no request fails, /health recovers within 10 s,
+    and sharing resumes once Serve has recreated the actor."""
+    deploy(serve_instance, _args(tiny_llama_with_tokenizer), name=APP)
+    try:
+        rng = random.Random(8)
+        before = [rng.randrange(100, 40000) for _ in range(300)]
+        _complete(serve_instance, before)
+        _wait_published(min_entries=18)
+
+        ray.kill(_directory_actor(), no_restart=True)
+        killed_at = time.monotonic()
+        healthy_at = None
+        # Traffic right through the loss: every request succeeds (recomputing what it must).
+        while time.monotonic() - killed_at < 12:
+            _complete(serve_instance, before)
+            r = httpx.get(f"{serve_instance}/health", timeout=30)
+            if r.status_code == 200 and healthy_at is None:
+                healthy_at = time.monotonic()
+        assert healthy_at is not None and healthy_at - killed_at < 10
+
+        # Sharing resumes: a new prefix is published to the new directory and imported.
+        prompt = [rng.randrange(100, 40000) for _ in range(600)]
+        deadline = time.monotonic() + 60
+        while True:
+            cold = _complete(serve_instance, prompt)
+            try:
+                _wait_published(min_entries=37, timeout_s=5)
+                break
+            except AssertionError:
+                assert time.monotonic() < deadline, "nothing published after the directory died"
+        hits = _remote_hits(serve_instance)
+        warm = _on_other_replica(serve_instance, prompt, cold.headers["x-engine-replica"])
+        assert warm.json()["choices"][0]["text"] == cold.json()["choices"][0]["text"]
+        assert warm.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 512
+        deadline = time.monotonic() + 10
+        while _remote_hits(serve_instance) <= hits:
+            assert time.monotonic() < deadline, "no remote hit counted after recovery"
+            time.sleep(0.5)
+    finally:
+        undeploy(APP)
+
+
+def test_rolling_update_to_another_dtype_never_imports_old_kv(
+    serve_instance, tiny_llama_with_tokenizer, smollm2_tokenizer
+):
+    """A live app redeployed from float32 to bfloat16 under the same model name and hash key:
+    the bf16 replicas never take the fp32 replicas' published blocks."""
+    from engine import LLM, SamplingParams
+
+    args = {**_args(tiny_llama_with_tokenizer), "kv_hash_key": "a-fixed-key-for-both-deploys"}
+    # One replica is enough: the new one finds the old one's blocks in the directory or not.
+    deploy(serve_instance, args, name=APP, num_replicas=1)
+    try:
+        rng = random.Random(9)
+        prompt = [rng.randrange(100, 40000) for _ in range(600)]
+        _complete(serve_instance, prompt)
+        _wait_published(min_entries=37)
+        handle = serve.get_deployment_handle("Engine", APP)
+        before = handle.kv_namespace.remote().result()
+        assert "dtype=float32" in before
+
+        args["engine"] = {**args["engine"], "dtype": "bfloat16"}
+        deploy(serve_instance, args, name=APP, num_replicas=1)
+        # Another namespace: no block hash of the new replica can name an old block.
+        after_ns = serve.get_deployment_handle("Engine", APP).kv_namespace.remote().result()
+        assert after_ns != before and "dtype=bfloat16" in after_ns
+        after = _complete(serve_instance, prompt)
+        assert after.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        expected = LLM(
+            model=str(tiny_llama_with_tokenizer), dtype="bfloat16", num_kv_blocks=64
+        ).generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+        assert after.json()["choices"][0]["text"] == expected.text
+    finally:
+        undeploy(APP)

@@ -344,6 +344,9 @@ class RecordingBackend:
         self.seen.append(self.admission.inflight)
         return FailingStream()
 
+    async def kv_namespace(self) -> str | None:
+        return None
+
 
 class FailingStream:
     async def __anext__(self) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -446,3 +447,132 @@ def test_malformed_json_and_still_serving(base_url: str, client: OpenAI) -> None
     assert "JSON" in r.json()["error"]["message"]
     ok = client.completions.create(model="tiny", prompt="still alive?", max_tokens=3)
     assert ok.usage.completion_tokens >= 1
+
+
+def test_vllm_metrics_and_dashboard_queries_resolve_and_move(base_url: str) -> None:
+    """Every vLLM-named metric docs/metrics.md lists, and every sample the shipped dashboard
+    queries, is on /metrics with the served model's name; under a little load the gauges rise
+    and every counter and histogram advances."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.deploy.observability import (
+        dashboard_queries,
+        documented_types,
+        load_dashboard,
+        queried_samples,
+    )
+
+    def names(m: dict[tuple[str, tuple], float]) -> set[str]:
+        return {n for n, _ in m}
+
+    def exposition_names(doc_name: str, kind: str) -> str:
+        return f"{doc_name}_count" if kind == "histogram" else doc_name
+
+    types = documented_types()
+    before = metrics(base_url)
+    for name, kind in types.items():
+        sample = exposition_names(name, kind)
+        assert sample in names(before), sample
+        assert {dict(lab).get("model_name") for n, lab in before if n == sample} == {"tiny"}
+    queried = set().union(*(queried_samples(q) for q in dashboard_queries(load_dashboard())))
+    assert queried and queried - names(before) == set()
+
+    prefix = list(range(2000, 2064))  # four full blocks: the repeats hit the prefix cache
+    # Long enough (seconds) that a report of every replica (each second) sees them running.
+    body = {"model": "tiny", "max_tokens": 256, "temperature": 0, "ignore_eos": True}
+    httpx.post(f"{base_url}/v1/completions", json={**body, "prompt": prefix}, timeout=60)
+
+    def stream(k: int) -> None:
+        payload = {**body, "prompt": prefix + [k + 3], "stream": True}
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=payload, timeout=60) as r:
+            assert r.status_code == 200
+            for _ in r.iter_lines():
+                pass
+
+    peak = {"vllm:num_requests_running": 0.0, "vllm:kv_cache_usage_perc": 0.0}
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(stream, k) for k in range(6)]
+        while not all(f.done() for f in futures):
+            during = metrics(base_url)
+            for name in peak:
+                peak[name] = max(peak[name], total(during, name))
+        for f in futures:
+            f.result()
+    assert all(v > 0 for v in peak.values()), peak
+
+    advancing = [
+        exposition_names(n, kind) for n, kind in types.items() if kind in ("counter", "histogram")
+    ]
+    # Nothing imports KV (one machine), preempts (a roomy cache) or stops at EOS (ignore_eos).
+    idle = {"vllm:external_prefix_cache_hits_total", "vllm:num_preemptions_total"}
+
+    def gained(after: dict, name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    def settled(after: dict) -> bool:
+        # Another replica's figures may lag a report period (1 s); an earlier test's last
+        # request may land in the interval too, hence at least, not exactly.
+        return (
+            {n for n in advancing if gained(after, n) > 0} >= set(advancing) - idle
+            and gained(after, "vllm:request_success_total", finished_reason="length") >= 7
+            and gained(after, "vllm:generation_tokens_total") >= 7 * 256
+        )
+
+    deadline = time.monotonic() + 20
+    after = metrics(base_url)
+    while not settled(after) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        after = metrics(base_url)
+    assert {n for n in advancing if gained(after, n) <= 0} <= idle
+    assert gained(after, "vllm:request_success_total", finished_reason="length") >= 7
+    assert gained(after, "vllm:generation_tokens_total") >= 7 * 256
+
+
+def test_vllm_metrics_reach_rays_metrics_pipeline(base_url: str) -> None:
+    """The same families under Ray's names on every node's metrics agent (what Ray's own
+    dashboards and a Prometheus scraping Ray read), once requests have been served."""
+    import ray
+
+    from tests.deploy.observability import documented_types
+
+    # A shared prefix of four blocks: the repeats record prefix cache hits as well.
+    for suffix in ([7], [8], [9]):
+        body = {"model": "tiny", "prompt": list(range(3000, 3064)) + suffix, "max_tokens": 4}
+        assert httpx.post(f"{base_url}/v1/completions", json=body, timeout=60).status_code == 200
+    ports = [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]]
+
+    def exported() -> dict[tuple[str, tuple], float]:
+        out: dict[tuple[str, tuple], float] = {}
+        for port in ports:
+            with contextlib.suppress(httpx.HTTPError):
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+                for fam in text_string_to_metric_families(text):
+                    for s in fam.samples:
+                        key = (s.name, tuple(sorted(s.labels.items())))
+                        out[key] = out.get(key, 0.0) + s.value
+        return out
+
+    # Ray's agents export what replicas record every few seconds (Ray's report interval).
+    deadline = time.monotonic() + 60
+    while True:
+        m = exported()
+        if all(
+            total(m, f"ray_vllm_{name}", model_name="tiny") > 0
+            for name in (
+                "generation_tokens_total",
+                "prefix_cache_hits_total",
+                "e2e_request_latency_seconds_count",
+            )
+        ):
+            break
+        assert time.monotonic() < deadline, sorted({n for n, _ in m if "vllm" in n})
+        time.sleep(2)
+    names = {n for n, _ in m}
+    # Ray exports a series once something was recorded in it: not these two here (no KV import,
+    # no preemption), which /metrics shows at 0.
+    never_recorded = {"vllm:external_prefix_cache_hits_total", "vllm:num_preemptions_total"}
+    for name, kind in documented_types().items():
+        if name in never_recorded:
+            continue
+        ray_name = "ray_" + name.replace(":", "_")
+        assert (f"{ray_name}_count" if kind == "histogram" else ray_name) in names, ray_name

@@ -23,7 +23,9 @@ from engine.async_engine import (
     build_on_own_thread,
 )
 from engine.config import EngineConfig
+from engine.kv_connector import KVBlocks, KVConnector
 from engine.llm_engine import LLMEngine
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 # Generous: a loaded 2-core CI box can stall a thread for a while; a hang fails at this bound.
@@ -179,18 +181,26 @@ def test_pending_call_fails_when_the_loop_dies(
     assert died.is_set()
 
 
-def test_before_add_failure_is_confined_to_its_request(async_engine: AsyncEngine) -> None:
-    def broken(_request: object) -> None:
-        raise RuntimeError("KV import failed")
+def test_kv_connector_failure_only_costs_a_recompute(async_engine: AsyncEngine) -> None:
+    class Broken(KVConnector):
+        def load(self, request: Request, num_local_blocks: int) -> KVBlocks | None:
+            raise RuntimeError("KV import failed")
+
+        def loaded(self, request: Request, num_installed: int, rejected: str | None) -> None:
+            pass
+
+        def on_prompt_computed(self, request: Request) -> None:
+            pass
 
     async def run() -> list[int]:
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        with pytest.raises(RuntimeError, match="KV import failed"):
-            async for _ in async_engine.generate("bad", [5, 6], params, before_add=broken):
-                pass
-        return await consume(async_engine, "good", params)
+        return await consume(async_engine, "broken-connector", params)
 
-    assert len(asyncio.run(asyncio.wait_for(run(), DEADLINE_S))) == 4
+    async_engine.engine.kv_connector = Broken()
+    try:
+        assert len(asyncio.run(asyncio.wait_for(run(), DEADLINE_S))) == 4
+    finally:
+        async_engine.engine.kv_connector = None
     async_engine.check_health()
 
 

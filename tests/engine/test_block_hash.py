@@ -1,4 +1,5 @@
-"""Chained block hashes: deterministic across processes, salted, chained, full blocks only."""
+"""Chained block hashes: deterministic across processes, namespaced, keyed, chained, 128-bit,
+full blocks only."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.block_hash import compute_block_hashes, extend_block_hashes, hash_block_tokens
+from engine.block_hash import (
+    compute_block_hashes,
+    extend_block_hashes,
+    hash_block_tokens,
+    hash_key,
+    hash_root,
+)
 
 TOKENS = list(range(100, 140))  # 40 tokens: 2 full blocks of 16 and a partial one
 
@@ -21,14 +28,14 @@ def test_only_full_blocks_are_hashed():
 
 
 def test_hashes_are_chained():
-    hashes = compute_block_hashes(TOKENS, 8, salt="m")
-    assert hashes[0] == hash_block_tokens(None, TOKENS[:8], "m")
-    assert hashes[1] == hash_block_tokens(hashes[0], TOKENS[8:16], "m")
+    hashes = compute_block_hashes(TOKENS, 8, hash_root("m"))
+    assert hashes[0] == hash_block_tokens(None, TOKENS[:8], hash_root("m"))
+    assert hashes[1] == hash_block_tokens(hashes[0], TOKENS[8:16], hash_root("m"))
     # Changing a token of block 0 changes the hash of every later block.
-    changed = compute_block_hashes([TOKENS[0] + 1, *TOKENS[1:]], 8, salt="m")
+    changed = compute_block_hashes([TOKENS[0] + 1, *TOKENS[1:]], 8, hash_root("m"))
     assert all(a != b for a, b in zip(hashes, changed, strict=True))
     # Changing block 2 leaves blocks 0 and 1 alone.
-    changed = compute_block_hashes(TOKENS[:16] + [7] + TOKENS[17:], 8, salt="m")
+    changed = compute_block_hashes(TOKENS[:16] + [7] + TOKENS[17:], 8, hash_root("m"))
     assert changed[:2] == hashes[:2]
     assert all(a != b for a, b in zip(hashes[2:], changed[2:], strict=True))
 
@@ -39,23 +46,33 @@ def test_same_tokens_at_another_position_hash_differently():
     assert hashes[0] != hashes[1]
 
 
-def test_salt_changes_every_hash():
-    a = compute_block_hashes(TOKENS, 16, salt="model-a")
-    b = compute_block_hashes(TOKENS, 16, salt="model-b")
-    assert all(x != y for x, y in zip(a, b, strict=True))
-    assert compute_block_hashes(TOKENS, 16, salt="model-a") == a
+def test_namespace_key_and_cache_salt_each_change_every_hash():
+    key = hash_key("a secret of the application")
+    base = compute_block_hashes(TOKENS, 16, hash_root("ns-a", key))
+    for root in (
+        hash_root("ns-b", key),
+        hash_root("ns-a", hash_key("another secret")),
+        hash_root("ns-a"),  # unkeyed
+        hash_root("ns-a", key, cache_salt="tenant-1"),
+    ):
+        other = compute_block_hashes(TOKENS, 16, root)
+        assert all(x != y for x, y in zip(base, other, strict=True))
+    assert compute_block_hashes(TOKENS, 16, hash_root("ns-a", key)) == base
+    assert hash_key(None) == hash_key("") == b""
+
+
+def test_hashes_are_128_bits():
+    hashes = compute_block_hashes(list(range(16 * 64)), 16, hash_root("m"))
+    assert all(0 <= h < 1 << 128 for h in hashes)
+    # Uniform over 128 bits: some hash uses the top 64 (a 64-bit hash never would).
+    assert any(h >> 64 for h in hashes)
 
 
 def test_extend_matches_full_computation():
     hashes: list[int] = []
     for n in range(1, len(TOKENS) + 1):
-        extend_block_hashes(hashes, TOKENS[:n], 4, "s")
-        assert hashes == compute_block_hashes(TOKENS[:n], 4, "s")
-
-
-def test_hashes_are_64_bit_ints():
-    for h in compute_block_hashes(TOKENS, 4, "s"):
-        assert isinstance(h, int) and 0 <= h < 1 << 64
+        extend_block_hashes(hashes, TOKENS[:n], 4, hash_root("s"))
+        assert hashes == compute_block_hashes(TOKENS[:n], 4, hash_root("s"))
 
 
 def test_large_token_ids_are_hashed_distinctly():
@@ -77,9 +94,9 @@ def test_deterministic_across_processes():
         f"spec = importlib.util.spec_from_file_location('bh', {str(path)!r})\n"
         "bh = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(bh)\n"
-        f"print(json.dumps(bh.compute_block_hashes({TOKENS!r}, 8, salt='smollm2')))\n"
+        f"print(json.dumps(bh.compute_block_hashes({TOKENS!r}, 8, bh.hash_root('smollm2', b'k'))))\n"
     )
-    here = compute_block_hashes(TOKENS, 8, salt="smollm2")
+    here = compute_block_hashes(TOKENS, 8, hash_root("smollm2", b"k"))
     for seed in ("1", "2"):
         proc = subprocess.run(
             [sys.executable, "-c", code],

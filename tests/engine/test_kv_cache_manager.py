@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.block_hash import hash_root
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -12,7 +13,7 @@ BS = 4
 
 
 def make_request(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, tokens, SamplingParams(), block_size=BS, hash_salt="m")
+    return Request(rid, tokens, SamplingParams(), block_size=BS, hash_root=hash_root("m"))
 
 
 def prefill(kv: KVCacheManager, request: Request) -> None:

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from engine.block_hash import compute_block_hashes
+from engine.block_hash import compute_block_hashes, hash_root
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
@@ -33,7 +33,9 @@ PATHS = {
 
 
 def make_request(tokens: list[int] | None = None, block_size: int = 4) -> Request:
-    return Request("r", tokens or [1, 2, 3], SamplingParams(), block_size=block_size, hash_salt="s")
+    return Request(
+        "r", tokens or [1, 2, 3], SamplingParams(), block_size=block_size, hash_root=hash_root("s")
+    )
 
 
 def request_in(status: RequestStatus) -> Request:
@@ -76,10 +78,12 @@ def test_output_tokens_extend_the_sequence_and_its_block_hashes():
     assert request.output_token_ids == [9]
     assert request.prompt_token_ids == [1, 2, 3]
     assert (request.num_prompt_tokens, request.num_output_tokens) == (3, 1)
-    assert request.block_hashes == compute_block_hashes([1, 2, 3, 9], 4, "s")
+    assert request.block_hashes == compute_block_hashes([1, 2, 3, 9], 4, hash_root("s"))
     for t in (10, 11, 12, 13):
         request.append_output_token(t)
-    assert request.block_hashes == compute_block_hashes([1, 2, 3, 9, 10, 11, 12, 13], 4, "s")
+    assert request.block_hashes == compute_block_hashes(
+        [1, 2, 3, 9, 10, 11, 12, 13], 4, hash_root("s")
+    )
 
 
 def test_prompt_list_is_copied():

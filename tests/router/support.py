@@ -6,7 +6,7 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
-from engine.block_hash import compute_block_hashes
+from engine.block_hash import compute_block_hashes, hash_root
 
 BLOCK = 16
 
@@ -39,7 +39,7 @@ def report(
 
 
 def prompt_hashes(tokens: list[int]) -> list[int]:
-    return compute_block_hashes(tokens, BLOCK, "test-model")
+    return compute_block_hashes(tokens, BLOCK, hash_root("test-model"))
 
 
 def random_tokens(rng: random.Random, n: int) -> list[int]:

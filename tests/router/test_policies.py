@@ -222,6 +222,21 @@ def test_directory_blocks_cost_a_transfer_instead_of_a_prefill() -> None:
     assert first(policy.rank(["a", "b"], hashes, 1.0, directory)) == "b"
 
 
+def test_a_measured_transfer_cost_replaces_the_configured_one() -> None:
+    """A replica that reports its import/prefill speed ratio is priced by it: importing there
+    is cheap when fetching is fast, and dearer than recomputing when fetching is slow."""
+    policy = prefix_policy(imbalance_abs=1000)
+    hashes = H[:20]
+    directory = set(hashes)
+    for ratio, cost in ((0.05, 1.0), (1.5, 30.0)):
+        stats = {**report("b", [], at=ratio), "transfer_cost_ratio": ratio}
+        policy.apply_report("b", stats, now=1.0)
+        (score,) = policy.score(["b"], hashes, 1.0, directory)
+        assert score.transfer_blocks == 20 and score.cost == pytest.approx(cost)
+    with pytest.raises(ValueError, match="transfer_cost_ratio"):
+        policy.apply_report("c", {**report("c", [], at=1.0), "transfer_cost_ratio": -1}, now=1.0)
+
+
 def test_directory_transfer_stops_at_a_gap() -> None:
     policy = prefix_policy()
     policy.apply_report("a", report("a", H[:2], at=1.0), now=1.0)
