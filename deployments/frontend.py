@@ -11,9 +11,13 @@ who runs what where) except ``/ping``, the liveness route for probes.
 """
 
 import asyncio
+import concurrent.futures
+import contextvars
+import functools
 import hmac
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -30,6 +34,17 @@ from deployments.validation import GenerationJob, RequestValidator
 logger = logging.getLogger("ray.serve")
 
 METRICS_TIMEOUT_S = 10.0
+# Bodies above this size are parsed and tokenized in the worker pool rather than on the event loop
+# (a hop costs ~0.1 ms; tokenizing a few KiB costs less than that).
+OFFLOAD_BODY_BYTES = 16 << 10
+T = TypeVar("T")
+
+
+@functools.cache
+def _validation_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's validation workers (created on first use, shared by every route)."""
+    return concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="prefixserve-validate")
+
 
 # Re-exported: the verdict's rules are part of this module's contract.
 __all__ = ["OpenAIFrontend", "health_verdict", "openai_routes"]
@@ -65,6 +80,9 @@ class OpenAIFrontend:
             )
 
     async def read_json(self, request: Request) -> Any:
+        return self.validator.parse_json(await self.read_body(request))
+
+    async def read_body(self, request: Request) -> bytes:
         limit = self.args.limits.max_body_bytes
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
@@ -86,20 +104,33 @@ class OpenAIFrontend:
                 "invalid_request_error",
                 code="body_timeout",
             ) from None
-        return self.validator.parse_json(bytes(body))
+        return bytes(body)
+
+    async def validate(self, validate: Callable[[Any], T], body: bytes) -> T:
+        """Parse and validate a body (chat template, tokenization): on the event loop when it is
+        small, in the worker pool when it is not, so that one large request does not hold up the
+        other requests' streams (the tokenizer releases the GIL; templates yield it)."""
+        if len(body) <= OFFLOAD_BODY_BYTES:
+            return validate(self.validator.parse_json(body))
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(
+            _validation_pool(),
+            context.run,
+            lambda: validate(self.validator.parse_json(body)),
+        )
 
     async def completions(self, request: Request) -> Response:
         request_logging.bind(x_request_id=_x_request_id(request))
         self.check_auth(request)
         self.generation.check_capacity()
-        job = self.validator.completion(await self.read_json(request))
+        job = await self.validate(self.validator.completion, await self.read_body(request))
         return await self.generation.run(self._received(job, "completion"))
 
     async def chat_completions(self, request: Request) -> Response:
         request_logging.bind(x_request_id=_x_request_id(request))
         self.check_auth(request)
         self.generation.check_capacity()
-        job = self.validator.chat(await self.read_json(request))
+        job = await self.validate(self.validator.chat, await self.read_body(request))
         return await self.generation.run(self._received(job, "chat completion"))
 
     def _received(self, job: GenerationJob, kind: str) -> GenerationJob:
@@ -144,7 +175,8 @@ class OpenAIFrontend:
 
     async def tokenize(self, request: Request) -> JSONResponse:
         self.check_auth(request)
-        return JSONResponse(self.validator.tokenize(await self.read_json(request)))
+        body = await self.read_body(request)
+        return JSONResponse(await self.validate(self.validator.tokenize, body))
 
     async def detokenize(self, request: Request) -> JSONResponse:
         self.check_auth(request)
