@@ -71,6 +71,7 @@ Approximations, all forced by what the simulator has:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable, Container, Iterable, Sequence
@@ -415,6 +416,12 @@ _PORT_CONFIGS: dict[str, type[Any]] = {
 def make_port(
     name: str, options: dict[str, Any], block_tokens: int, rng: random.Random
 ) -> RoutingPolicy:
-    """A ported Ray policy by name; ``options`` are fields of its config dataclass."""
-    config = _PORT_CONFIGS[name](**{**options, "block_tokens": block_tokens})
+    """A ported Ray policy by name; ``options`` are fields of its config dataclass (the block size
+    is the simulator's)."""
+    config_cls = _PORT_CONFIGS[name]
+    known = {f.name for f in dataclasses.fields(config_cls)} - {"block_tokens"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown option(s) {unknown}; expected some of {sorted(known)}")
+    config = config_cls(**{**options, "block_tokens": block_tokens})
     return PORTS[name](config, rng=rng)

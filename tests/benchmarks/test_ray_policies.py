@@ -284,7 +284,7 @@ def test_the_command_line_runs_the_ports(tmp_path: Path) -> None:
         [*common, "--policy", "ray_kv_aware", "--router-config", '{"router_temperature": 0.5}']
     )
     assert tuned["runs"][0]["completed"] == 30
-    with pytest.raises(TypeError, match="router_temperature"):
+    with pytest.raises(ValueError, match="router_temperature"):
         simulate.main(
             [*common, "--policy", "ray_prefix_affinity",
              "--router-config", '{"router_temperature": 0.5}']
