@@ -4,6 +4,8 @@ live trace replay when no real trace is at hand.
     python -m benchmarks.make_trace --out results/synthetic_trace.jsonl
     python -m benchmarks.make_trace --num-requests 1000 --replicas 4 --seed 1 --out small.jsonl
 
+(``python -m benchmarks.trace_kinds`` writes a multi-turn or a many-tenant mix the same way.)
+
 One JSON object per line, as in the traces of the Mooncake FAST'25 release
 (github.com/kvcache-ai/Mooncake, ``FAST25-release/traces/``): ``timestamp`` (ms since the start),
 ``input_length`` and ``output_length`` (tokens), ``hash_ids`` (one id per 512-token block of the
@@ -225,8 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def rate_from_args(args: argparse.Namespace) -> float:
+    """The arrival rate ``--rate`` / ``--replicas`` ask for; exits on a bad value."""
     if args.replicas is not None:
         if not args.replicas > 0:
             raise SystemExit("--replicas: must be > 0")
@@ -235,8 +237,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         rate = DEFAULT_RATE if args.rate is None else args.rate
     if args.num_requests < 1 or not rate > 0:
         raise SystemExit("--num-requests and the rate must be positive")
-    out = args.out if args.out is not None else default_out()
-    records = generate(args.num_requests, rate, args.seed)
+    return rate
+
+
+def write_and_describe(records: list[dict[str, Any]], out: Path) -> None:
+    """Write the trace, a summary line on stderr and its path on stdout."""
     write_trace(records, out)
     s = trace_stats(records)
     print(
@@ -247,6 +252,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         file=sys.stderr,
     )
     print(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rate = rate_from_args(args)
+    out = args.out if args.out is not None else default_out()
+    write_and_describe(generate(args.num_requests, rate, args.seed), out)
     return 0
 
 

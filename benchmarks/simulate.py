@@ -22,9 +22,10 @@ from benchmarks.sim.cluster import Cluster, ClusterConfig
 from benchmarks.sim.ideal import ideal_hit_ratio
 from benchmarks.sim.metrics import per_replica, summarize_run, ttfts
 from benchmarks.sim.profile import DEFAULT_PROFILE, Profile
+from benchmarks.sim.ray_policies import PORTS
 from benchmarks.sim.trace import SimRequestSpec, distinct_blocks, load_trace
 
-POLICY_NAMES = ("prefix_aware", "power_of_two", "round_robin")
+POLICY_NAMES = ("prefix_aware", "power_of_two", "round_robin", *PORTS)
 
 
 def run_one(
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--policy", type=_policies, default=["prefix_aware"],
                    help="routing policy, or a comma-separated list to compare")  # fmt: skip
     c.add_argument("--router-config", type=json.loads, default={},
-                   help='RouterConfig fields as JSON, e.g. \'{"load_cost_per_request": 2}\'')  # fmt: skip
+                   help='RouterConfig fields as JSON, e.g. \'{"load_cost_per_request": 2}\' (for the Ray ports: fields of their config in benchmarks/sim/ray_policies.py)')  # fmt: skip
     c.add_argument("--stats-period", type=float, default=1.0,
                    help="seconds between replica reports to the router")  # fmt: skip
     cap = c.add_mutually_exclusive_group()

@@ -11,9 +11,13 @@ who runs what where) except ``/ping``, the liveness route for probes.
 """
 
 import asyncio
+import concurrent.futures
+import contextvars
+import functools
 import hmac
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -30,6 +34,17 @@ from deployments.validation import GenerationJob, RequestValidator
 logger = logging.getLogger("ray.serve")
 
 METRICS_TIMEOUT_S = 10.0
+# Bodies above this size are parsed and tokenized in the worker pool rather than on the event loop
+# (a hop costs ~0.1 ms; tokenizing a few KiB costs less than that).
+OFFLOAD_BODY_BYTES = 16 << 10
+T = TypeVar("T")
+
+
+@functools.cache
+def _validation_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's validation workers (created on first use, shared by every route)."""
+    return concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="prefixserve-validate")
+
 
 # Re-exported: the verdict's rules are part of this module's contract.
 __all__ = ["OpenAIFrontend", "health_verdict", "openai_routes"]
@@ -65,6 +80,9 @@ class OpenAIFrontend:
             )
 
     async def read_json(self, request: Request) -> Any:
+        return self.validator.parse_json(await self.read_body(request))
+
+    async def read_body(self, request: Request) -> bytes:
         limit = self.args.limits.max_body_bytes
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
@@ -86,20 +104,33 @@ class OpenAIFrontend:
                 "invalid_request_error",
                 code="body_timeout",
             ) from None
-        return self.validator.parse_json(bytes(body))
+        return bytes(body)
+
+    async def validate(self, validate: Callable[[Any], T], body: bytes) -> T:
+        """Parse and validate a body (chat template, tokenization): on the event loop when it is
+        small, in the worker pool when it is not, so that one large request does not hold up the
+        other requests' streams (the tokenizer releases the GIL; templates yield it)."""
+        if len(body) <= OFFLOAD_BODY_BYTES:
+            return validate(self.validator.parse_json(body))
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(
+            _validation_pool(),
+            context.run,
+            lambda: validate(self.validator.parse_json(body)),
+        )
 
     async def completions(self, request: Request) -> Response:
         request_logging.bind(x_request_id=_x_request_id(request))
         self.check_auth(request)
         self.generation.check_capacity()
-        job = self.validator.completion(await self.read_json(request))
+        job = await self.validate(self.validator.completion, await self.read_body(request))
         return await self.generation.run(self._received(job, "completion"))
 
     async def chat_completions(self, request: Request) -> Response:
         request_logging.bind(x_request_id=_x_request_id(request))
         self.check_auth(request)
         self.generation.check_capacity()
-        job = self.validator.chat(await self.read_json(request))
+        job = await self.validate(self.validator.chat, await self.read_body(request))
         return await self.generation.run(self._received(job, "chat completion"))
 
     def _received(self, job: GenerationJob, kind: str) -> GenerationJob:
@@ -117,16 +148,39 @@ class OpenAIFrontend:
             )
         return job
 
-    def models(self, request: Request) -> JSONResponse:
-        self.check_auth(request)
-        model = {
+    def _model_card(self) -> dict[str, Any]:
+        return {
             "id": self.validator.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "prefixserve",
             "max_model_len": self.validator.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [model]})
+
+    def models(self, request: Request) -> JSONResponse:
+        self.check_auth(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    def model(self, request: Request, model_id: str) -> JSONResponse:
+        """OpenAI's ``GET /v1/models/{model}``: the model's card, or 404."""
+        self.check_auth(request)
+        if model_id != self.validator.model_name:
+            raise HTTPError(
+                404,
+                f"The model {model_id!r} does not exist",
+                param="model",
+                code="model_not_found",
+            )
+        return JSONResponse(self._model_card())
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        self.check_auth(request)
+        body = await self.read_body(request)
+        return JSONResponse(await self.validate(self.validator.tokenize, body))
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        self.check_auth(request)
+        return JSONResponse(self.validator.detokenize(await self.read_json(request)))
 
     async def health(self, request: Request) -> JSONResponse:
         """200 when every engine replica can serve, else 503; from the cached verdict."""
@@ -179,6 +233,18 @@ def openai_routes() -> tuple[FastAPI, type]:
         @app.get("/v1/models")
         async def models(self, request: Request) -> JSONResponse:
             return self.frontend.models(request)
+
+        @app.get("/v1/models/{model_id:path}")
+        async def model(self, request: Request, model_id: str) -> JSONResponse:
+            return self.frontend.model(request, model_id)
+
+        @app.post("/tokenize")
+        async def tokenize(self, request: Request) -> JSONResponse:
+            return await self.frontend.tokenize(request)
+
+        @app.post("/detokenize")
+        async def detokenize(self, request: Request) -> JSONResponse:
+            return await self.frontend.detokenize(request)
 
         @app.get("/health")
         async def health(self, request: Request) -> JSONResponse:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments.engine_request import StreamItem
+from deployments.tool_calls import ToolCallStream, parse
 
 
 def error_body(
@@ -66,6 +67,15 @@ def usage(
 
 
 @dataclass(frozen=True)
+class ToolParsing:
+    """How a chat request's output becomes ``tool_calls`` (``deployments.tool_calls.parse``'s
+    ``mode``; ``function``: the one a named ``tool_choice`` calls)."""
+
+    mode: str
+    function: str | None = None
+
+
+@dataclass(frozen=True)
 class Echo:
     """A prompt as ``echo`` repeats it: its text and its token ids."""
 
@@ -94,6 +104,7 @@ class ResponseBuilder:
         echo: list[Echo] | None = None,
         echo_only: bool = False,
         report_cached: bool = True,
+        tools: ToolParsing | None = None,
     ) -> None:
         self.chat = kind == "chat"
         self.id = request_id
@@ -110,6 +121,12 @@ class ResponseBuilder:
         self.text_offsets = [0] * self.num_choices
         self.lasts: list[StreamItem | None] = [None] * self.num_choices
         self.echoed = [False] * self.num_choices
+        self.tools = tools if self.chat else None
+        self.tool_streams = (
+            [ToolCallStream(tools.mode, tools.function) for _ in range(self.num_choices)]
+            if self.tools is not None
+            else []
+        )
 
     def _token_str(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -213,7 +230,10 @@ class ResponseBuilder:
         finish = self._finish_reason(item) if item.finished else None
         text, raw = self._parts(index, [item])
         lp = self.logprobs(raw, index)
-        if self.chat:
+        if self.chat and self.tools is not None:
+            delta, finish = self._tool_delta(index, text, item.finished, finish)
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        elif self.chat:
             delta = {"content": text} if text or not item.finished else {}
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
@@ -222,6 +242,28 @@ class ResponseBuilder:
             choice["stop_reason"] = item.stop_reason
         body["choices"] = [choice]
         return body
+
+    def _tool_delta(
+        self, index: int, text: str, finished: bool, finish: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        stream = self.tool_streams[index]
+        content, calls = stream.feed(text)
+        if finished:
+            more, last_calls = stream.finish()
+            content, calls = content + more, calls + last_calls
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, self._tool_finish(finish, stream.called)
+
+    def _tool_finish(self, finish: str | None, called: bool) -> str | None:
+        # OpenAI: "tool_calls" when the model chose to call; a named tool_choice ends in "stop".
+        assert self.tools is not None
+        if finish == "stop" and called and self.tools.mode != "named":
+            return "tool_calls"
+        return finish
 
     def usage_chunk(self) -> dict[str, Any]:
         """After every choice's final chunk."""
@@ -248,11 +290,19 @@ class ResponseBuilder:
         text, raw = self._parts(index, items)
         lp = self.logprobs(raw, index)
         choice: dict[str, Any] = {"index": index}
-        if self.chat:
+        if self.chat and self.tools is not None:
+            parsed = parse(self.tools.mode, text, self.tools.function)
+            choice["message"] = {"role": "assistant", "content": parsed.content}
+            if parsed.tool_calls:
+                choice["message"]["tool_calls"] = parsed.tool_calls
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
         choice["logprobs"] = lp
         choice["finish_reason"] = self._finish_reason(last)
+        if self.chat and self.tools is not None:
+            called = bool(choice["message"].get("tool_calls"))
+            choice["finish_reason"] = self._tool_finish(choice["finish_reason"], called)
         choice["stop_reason"] = last.stop_reason
         return choice

@@ -1,13 +1,20 @@
 """OpenAI-compatible request schemas (pydantic) and their mapping onto SamplingParams.
 
 Unknown fields are ignored, as OpenAI's own API and vLLM do, so that any client works; fields we
-know but do not implement (``suffix``, ``best_of``, tools) are rejected with a 400 naming the
+know but do not implement (``suffix``, ``best_of``) are rejected with a 400 naming the
 field rather than silently ignored. ``logit_bias`` keys are token ids written as strings, as
 OpenAI's API sends them.
+
+Structured output: OpenAI's ``response_format`` (``json_object``, ``json_schema``) and vLLM's
+``structured_outputs`` object and older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar`` fields; at most one of them per request, compiled here so that a bad schema
+is a 400 naming its field. Tools (chat): ``tools`` and ``tool_choice``; ``required`` or a named
+function becomes a structured output too.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -21,6 +28,15 @@ from pydantic import (
     model_validator,
 )
 
+from deployments import tool_calls
+from deployments.output_fields import (
+    FunctionCall,
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputsField,
+    Tool,
+    ToolCall,
+)
 from deployments.request_limits import (
     INT64_MAX,
     INT64_MIN,
@@ -36,8 +52,10 @@ from deployments.request_limits import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TOOLS,
 )
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.structured_output import StructuredOutputs
 
 # An integer that must fit a signed 64-bit one (it reaches native code or a sort key).
 Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
@@ -91,6 +109,12 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("deadline_ms", mode="before")
     @classmethod
@@ -113,8 +137,70 @@ class _SamplingFields(BaseModel):
                 "stream_options: only allowed when stream is true", "stream_options"
             )
 
+    def _constraints(self) -> list[tuple[str, StructuredOutputs]]:
+        """Each structured-output field the request sets, with the constraint it asks for."""
+        found: list[tuple[str, StructuredOutputs]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", StructuredOutputs(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ProtocolError(
+                    "response_format: json_schema.schema is required for type json_schema",
+                    "response_format",
+                )
+            found.append(("response_format", StructuredOutputs(json=rf.json_schema.schema_)))
+        so = self.structured_outputs
+        if so is not None:
+            kwargs: dict[str, Any] = {
+                "json": so.json_,
+                "regex": so.regex,
+                "choice": so.choice,
+                "grammar": so.grammar,
+                "json_object": bool(so.json_object),
+            }
+            try:
+                found.append(("structured_outputs", StructuredOutputs(**kwargs)))
+            except ValueError as e:
+                raise ProtocolError(str(e), "structured_outputs") from None
+        for name, key in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, StructuredOutputs(**{key: value})))
+        return found
+
+    def structured_output(
+        self, extra: tuple[str, StructuredOutputs] | None = None
+    ) -> StructuredOutputs | None:
+        """The one constraint on the output (``extra``: one from another field, e.g.
+        ``tool_choice``), checked to compile; a 400 naming the field otherwise."""
+        found = self._constraints() + ([extra] if extra else [])
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise ProtocolError(
+                f"{found[1][0]}: only one structured output per request ({names} given)",
+                found[1][0],
+            )
+        if not found:
+            return None
+        name, spec = found[0]
+        try:
+            spec.check()
+        except ValueError as e:
+            raise ProtocolError(f"{name}: {e}", name) from None
+        return spec
+
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        default_max_tokens: int,
+        structured_outputs: StructuredOutputs | None = None,
     ) -> SamplingParams:
         self._check_unsupported()
         kwargs: dict[str, Any] = {
@@ -137,6 +223,7 @@ class _SamplingFields(BaseModel):
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "structured_outputs": structured_outputs,
         }
         try:
             return SamplingParams(**kwargs)
@@ -203,7 +290,9 @@ class CompletionRequest(_SamplingFields):
             raise ProtocolError(f"logprobs: must be in [0, {MAX_LOGPROBS}]", "logprobs")
         # The engine always produces a token; with echo_only the response leaves it out.
         max_tokens = 1 if self.echo_only else self.max_tokens
-        params = self.sampling_params(max_tokens, self.logprobs, default_max_tokens)
+        params = self.sampling_params(
+            max_tokens, self.logprobs, default_max_tokens, self.structured_output()
+        )
         if self.echo and self.logprobs is not None:
             params.prompt_logprobs = self.logprobs
         return params
@@ -223,6 +312,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="after")
     def _bounded(self) -> ChatMessage:
@@ -243,13 +334,12 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class Conversation(BaseModel):
+    """Messages and tools, as the chat template receives them."""
+
+    model_config = ConfigDict(extra="ignore")
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: Int64 | None = None
-    logprobs: StrictBool = False
-    top_logprobs: Int64 | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     add_generation_prompt: StrictBool = True
 
     @field_validator("messages", mode="before")
@@ -259,18 +349,67 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("must contain at least one message")
         return v
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         # "developer" is OpenAI's newer name for "system"; chat templates know "system".
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            msg: dict[str, Any] = {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.text(),
+            }
+            if m.tool_calls:
+                # Chat templates write arguments with tojson: they expect a mapping.
+                msg["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": _loads(c.function)},
+                    }
+                    for c in m.tool_calls
+                ]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
+        return out
+
+    def tool_definitions(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template receives them (transformers' ``tools=``)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+class ChatCompletionRequest(Conversation, _SamplingFields):
+    max_completion_tokens: Int64 | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Int64 | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    @property
+    def tool_choice_name(self) -> str | None:
+        """``none``, ``auto``, ``required``, the named function, or None (no tools)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        if choice is None:
+            return "auto" if self.tools else None
+        return choice
+
+    def _tool_constraint(self) -> tuple[str, StructuredOutputs] | None:
+        choice = self.tool_choice_name
+        if choice in (None, "none", "auto"):
+            return None
+        names = [t.function.name for t in self.tools or []]
+        if not names:
+            raise ProtocolError(f"tool_choice: {choice!r} needs tools", "tool_choice")
+        if choice != "required" and choice not in names:
+            raise ProtocolError(f"tool_choice: no tool named {choice!r}", "tool_choice")
+        spec = tool_calls.constraint(self.tool_definitions() or [], choice)
+        return ("tool_choice", spec) if spec is not None else None
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        if self.tools:
-            raise ProtocolError("tools: not supported", "tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ProtocolError("response_format: only type 'text' is supported", "response_format")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise ProtocolError(f"top_logprobs: must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
         if self.top_logprobs and not self.logprobs:
@@ -282,9 +421,42 @@ class ChatCompletionRequest(_SamplingFields):
             else self.max_tokens
         )
         field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        constraint = self.structured_output(self._tool_constraint())
         try:
-            return self.sampling_params(max_tokens, logprobs, default_max_tokens)
+            return self.sampling_params(max_tokens, logprobs, default_max_tokens, constraint)
         except ProtocolError as e:
             if e.param == "max_tokens":
                 e.param = field
             raise
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """``POST /tokenize`` with a prompt (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str = Field(max_length=MAX_MESSAGE_CHARS)
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(Conversation):
+    """``POST /tokenize`` with messages: the chat template's tokens, special tokens added only by
+    the template unless ``add_special_tokens``."""
+
+    model: str | None = None
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_MESSAGE_CHARS)]
+
+
+def _loads(call: FunctionCall) -> Any:
+    try:
+        return json.loads(call.arguments)
+    except ValueError:
+        return call.arguments

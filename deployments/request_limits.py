@@ -40,3 +40,5 @@ MAX_DEADLINE_MS = 86_400_000
 # scheduler key must fit a signed 64-bit integer; JSON allows any size.
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+# Tools in a request, and tool calls in one message sent back.
+MAX_TOOLS = 128

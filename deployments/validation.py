@@ -20,8 +20,17 @@ from pydantic import BaseModel, ValidationError
 
 from deployments.config import AppArgs
 from deployments.http_errors import HTTPError, validation_message
-from deployments.openai_format import Echo, ResponseBuilder
-from deployments.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from deployments.openai_format import Echo, ResponseBuilder, ToolParsing
+from deployments.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Conversation,
+    DetokenizeRequest,
+    ProtocolError,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from deployments.tool_calls import detect_format
 from engine.model.config import model_config_from_hf
 from engine.model.loader import load_hf_config, resolve_model, resolve_tokenizer
 from engine.sampling_params import SamplingParams
@@ -107,7 +116,9 @@ class RequestValidator:
     def _decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
-    def _chat_tokens(self, req: ChatCompletionRequest) -> list[int]:
+    def _chat_tokens(self, req: Conversation, add_special_tokens: bool = False) -> list[int]:
+        """The conversation through the chat template (tools included), then tokenized; special
+        tokens come from the template alone unless ``add_special_tokens``."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise HTTPError(
                 400,
@@ -115,15 +126,27 @@ class RequestValidator:
                 param="messages",
             )
         try:
-            ids = self.tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template(
                 req.conversation(),
+                tools=req.tool_definitions(),
                 add_generation_prompt=req.add_generation_prompt,
-                tokenize=True,
-                return_dict=False,
+                tokenize=False,
             )
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except Exception as e:  # noqa: BLE001 - template errors are the client's input
             raise HTTPError(400, f"messages: chat template failed: {e}", param="messages") from e
         return list(ids)
+
+    def _tool_parsing(self, req: ChatCompletionRequest) -> ToolParsing | None:
+        """How the output becomes ``tool_calls``: None when no call can be made."""
+        choice = req.tool_choice_name
+        if choice in (None, "none"):
+            return None
+        if choice == "auto":
+            return ToolParsing(detect_format(getattr(self.tokenizer, "chat_template", None)))
+        if choice == "required":
+            return ToolParsing("required")
+        return ToolParsing("named", choice)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         for name, ids in (
@@ -226,6 +249,7 @@ class RequestValidator:
             self.tokenizer,
             req.n,
             report_cached=self.args.report_cache_hits,
+            tools=self._tool_parsing(req),
         )
         return self._job(req, [prompt_ids], params, builder)
 
@@ -239,6 +263,44 @@ class RequestValidator:
                 "order by priority (use priority or deadline)",
                 param="priority",
             )
+
+    def tokenize(self, body: Any) -> dict[str, Any]:
+        """``POST /tokenize`` (vLLM's shape): a prompt, or messages through the chat template."""
+        is_chat = isinstance(body, dict) and "messages" in body
+        req = self._parse(TokenizeChatRequest if is_chat else TokenizeCompletionRequest, body)
+        self._check_model(req.model)
+        if is_chat:
+            ids = self._chat_tokens(req, req.add_special_tokens)
+        elif self.tokenizer is None:
+            raise HTTPError(400, "prompt: this model has no tokenizer", param="prompt")
+        else:
+            try:
+                ids = list(
+                    self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+                )
+            except Exception as e:  # noqa: BLE001 - e.g. lone surrogates: the client's input
+                raise HTTPError(400, f"prompt: cannot be tokenized: {e}", param="prompt") from e
+        out: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": self.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
+        if req.return_token_strs:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    def detokenize(self, body: Any) -> dict[str, Any]:
+        """``POST /detokenize`` (vLLM's shape): token ids back to text."""
+        req = self._parse(DetokenizeRequest, body)
+        self._check_model(req.model)
+        if self.tokenizer is None:
+            raise HTTPError(400, "tokens: this model has no tokenizer", param="tokens")
+        if any(t >= self.vocab_size for t in req.tokens):
+            raise HTTPError(
+                400, f"tokens: token ids must be in [0, {self.vocab_size})", param="tokens"
+            )
+        return {"prompt": self._decode(req.tokens)}
 
     @staticmethod
     def _job(

@@ -7,6 +7,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputs
 
 __all__ = [
     "LLM",
@@ -17,6 +18,7 @@ __all__ = [
     "RequestOutput",
     "RequestStatus",
     "SamplingParams",
+    "StructuredOutputs",
     "compute_block_hashes",
     "hash_block_tokens",
 ]

@@ -37,6 +37,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,9 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids
+        )
 
         self.max_model_len = config.max_model_len or self.model_cfg.max_position_embeddings
         if self.max_model_len > self.model_cfg.max_position_embeddings:
@@ -359,6 +363,8 @@ class LLMEngine:
         )
         if params.seed is not None:
             request.generator = torch.Generator().manual_seed(params.seed)
+        if params.structured_outputs is not None:
+            request.grammar = self.grammars.matcher(params.structured_outputs)
         return request
 
     def abort_request(self, request_id: str) -> bool:
@@ -467,6 +473,11 @@ class LLMEngine:
         params = request.sampling_params
         reached_min = request.num_output_tokens >= params.min_tokens
         stop_str = request.detokenizer.append(token, reached_min) if request.detokenizer else None
+        # The sampler only offers tokens the grammar allows; once it is complete (it then allows
+        # only EOS) or, defensively, rejects a token, the output is done.
+        grammar = request.grammar
+        if grammar is not None and (not grammar.consume_token(token) or grammar.is_stopped()):
+            return RequestStatus.FINISHED_STOPPED
         # Before min_tokens, the sampler cannot pick EOS or stop tokens and stop strings wait.
         if reached_min:
             if not params.ignore_eos and token in request.eos_token_ids:

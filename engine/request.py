@@ -128,6 +128,9 @@ class Request:
         self.kv_transfer: Any = None
         # torch.Generator of a seeded request, set by the engine.
         self.generator: Any = None
+        # With structured_outputs: the grammar matcher (llguidance.LLMatcher), set by the engine;
+        # it has consumed exactly the output tokens, so it survives preemption unchanged.
+        self.grammar: Any = None
         self.update_block_hashes()
 
     # -- derived ---------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from engine.attention import native
 from engine.outputs import TokenLogprobs
 from engine.penalties import apply_penalties
 from engine.request import Request
+from engine.structured_output import apply_token_masks
 
 __all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "token_logprobs"]
 
@@ -53,7 +54,15 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """``logits [S, V]`` (any float dtype), one row per request, in the same order."""
+        """``logits [S, V]`` (any float dtype), one row per request, in the same order. Rows of
+        requests with a grammar are masked to the tokens it allows (in place, unless a request
+        wants logprobs, which come from the unmasked distribution); other rows cost nothing."""
+        unmasked = logits
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if constrained:
+            if any(r.sampling_params.logprobs is not None for r in requests):
+                logits = logits.clone()
+            apply_token_masks(logits, constrained, [requests[i].grammar for i in constrained])
         if self._plain_greedy(requests) and logits.device.type == "cpu":
             # Greedy without logprobs, penalties or banned tokens: the argmax of the model-dtype
             # logits is the argmax of their float32 copy (the conversion is exact): no copy.
@@ -62,8 +71,9 @@ class Sampler:
         logits = logits.float()
         if logits.device.type != "cpu":
             logits = logits.cpu()
+            unmasked = unmasked.cpu()
         params = [r.sampling_params for r in requests]
-        raw = logits
+        raw = logits if unmasked is logits else unmasked.float()
         logits = self._suppress_stops(apply_penalties(logits, requests), requests)
 
         greedy = [p.greedy for p in params]

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from engine.stop_strings import StopStrings
+from engine.structured_output import StructuredOutputs
 
 MAX_LOGPROBS = 20
 # OpenAI's ranges.
@@ -37,6 +38,8 @@ class SamplingParams:
     ``prompt_logprobs=k`` does the same for every prompt token after the first (the first has no
     context to be predicted from), from the model's raw distribution; such a request computes
     its whole prompt, since KV found in the prefix cache carries no logits.
+    ``structured_outputs`` constrains the output to a grammar (JSON schema, regex, choices): each
+    step samples only tokens it allows, and the request stops when the grammar is complete.
 
     After construction ``stop`` is a ``StopStrings`` and ``stop_token_ids`` a frozenset; they and
     ``logit_bias`` are never changed afterwards, so copies (``with_seed``: a request's choices)
@@ -61,6 +64,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -148,6 +152,10 @@ class SamplingParams:
                 raise ValueError(f"{name}: must be an integer in [0, {MAX_LOGPROBS}]")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: must be non-negative integers")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputs
+        ):
+            raise ValueError("structured_outputs: must be a StructuredOutputs")
 
     @property
     def greedy(self) -> bool:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.sim.profile import Profile
+from benchmarks.sim.ray_policies import PORTS, RayKVAwarePolicy, make_port
 from benchmarks.sim.replica import SimReplica, SimRequest
 from benchmarks.sim.sharing import SimDirectory
 from benchmarks.sim.trace import SimRequestSpec
@@ -80,9 +81,13 @@ class Cluster:
     def __init__(self, profile: Profile, config: ClusterConfig) -> None:
         self.profile = profile
         self.config = config
-        self.policy = make_policy(
-            config.policy, dict(config.router_config), rng=random.Random(config.seed)
-        )
+        rng = random.Random(config.seed)
+        if config.policy in PORTS:  # Ray's routers, ported (benchmarks/sim/ray_policies.py)
+            self.policy = make_port(
+                config.policy, dict(config.router_config), config.block_tokens, rng
+            )
+        else:
+            self.policy = make_policy(config.policy, dict(config.router_config), rng=rng)
         width = len(str(config.replicas - 1))
         self.replicas = [
             SimReplica(
@@ -99,6 +104,10 @@ class Cluster:
         self.by_id = {r.replica_id: r for r in self.replicas}
         self.replica_ids = [r.replica_id for r in self.replicas]
         self.policy.update_replicas(self.replica_ids)
+        if isinstance(self.policy, RayKVAwarePolicy):
+            self.policy.bind_signals(lambda rid, hashes: self.by_id[rid].kv_signals(hashes))
+        # The ports also read the prompt's length (Ray matches text, not only full blocks).
+        self._rank_prompt = getattr(self.policy, "rank_prompt", None)
         self.directory: SimDirectory | None = None
         if config.kv_sharing:
             capacity = config.directory_capacity_blocks or config.replicas * config.capacity_blocks
@@ -177,7 +186,12 @@ class Cluster:
         hashes = request.spec.block_hashes
         directory = self.directory
         hint = directory.hashes if directory is not None and self.config.directory_hint else None
-        ranks = self.policy.rank(self.replica_ids, hashes, now, hint)
+        if self._rank_prompt is not None:
+            ranks = self._rank_prompt(
+                self.replica_ids, hashes, request.num_prompt_tokens, now, hint
+            )
+        else:
+            ranks = self.policy.rank(self.replica_ids, hashes, now, hint)
         limit = self.config.max_ongoing_requests
         replica = next(
             (

@@ -13,7 +13,10 @@ scheduler and KV cache manager read, without token ids.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from benchmarks.sim.profile import StepCost
+from benchmarks.sim.ray_policies import KVSignals
 from benchmarks.sim.trace import SimRequestSpec
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager, cdiv
@@ -207,6 +210,30 @@ class SimReplica:
                 break
             n += 1
         return n
+
+    def kv_signals(self, hashes: list[int] | tuple[int, ...] | Sequence[int]) -> KVSignals:
+        """What Dynamo's KV events and lifecycle hooks tell its router about this replica, read
+        exactly at ``now``: blocks held by admitted requests plus the prompt blocks of requests
+        not admitted yet (Dynamo books those when it routes them), and tokens still to prefill."""
+        pool = self.kv.pool
+        shared = 0
+        for h in hashes:
+            block = pool.get_cached_block(h)
+            if block is None or block.ref_cnt <= 0:
+                break
+            shared += 1
+        bt = self.block_tokens
+        queued = sum(
+            -(-r.num_tokens // bt)
+            for r in self.scheduler.requests.values()
+            if r.status != RequestStatus.RUNNING
+        )
+        return KVSignals(
+            overlap_blocks=self.local_prefix_blocks(hashes),
+            active_blocks=pool.num_blocks - pool.num_free_blocks + queued,
+            shared_active_blocks=shared,
+            active_prefill_tokens=self.scheduler.num_pending_prefill_tokens,
+        )
 
     def install(self, hashes: list[int]) -> int:
         """Install imported blocks as free cached blocks, as ``engine.kv_transfer.import_blocks``

@@ -65,6 +65,18 @@ sampling_fields = {
     ),
     "user": field(st.text(max_size=8)),
     "unknown_field": json_values,
+    # Output constraints: odd regexes, choices and schemas must be a 400 or a bounded output.
+    "guided_regex": field(st.one_of(st.text(max_size=8), st.sampled_from(["", "a*", "[^\\s\\S]"]))),
+    "guided_choice": field(st.lists(st.text(max_size=4), max_size=3)),
+    "guided_json": field(
+        st.fixed_dictionaries({"type": st.sampled_from(["object", "string", "nope"])})
+    ),
+    "response_format": field(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "json", "json_object", "json_schema"])},
+            optional={"json_schema": st.fixed_dictionaries({"schema": json_values})},
+        )
+    ),
 }
 text_prompts = st.text(max_size=60)
 completion_body = st.fixed_dictionaries(
@@ -105,10 +117,21 @@ chat_body = st.fixed_dictionaries(
         "max_completion_tokens": field(small_ints),
         "logprobs": field(st.booleans()),
         "top_logprobs": field(st.integers(min_value=-1, max_value=25)),
-        "tools": field(st.lists(json_values, max_size=1)),
-        "response_format": field(
-            st.fixed_dictionaries({"type": st.sampled_from(["text", "json"])})
+        "tools": field(
+            st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "type": st.just("function"),
+                        "function": st.fixed_dictionaries(
+                            {"name": st.sampled_from(["f", "g", "bad name"])},
+                            optional={"parameters": json_values},
+                        ),
+                    }
+                ),
+                max_size=2,
+            )
         ),
+        "tool_choice": field(st.sampled_from(["none", "auto", "required", "f"])),
         "add_generation_prompt": field(st.booleans()),
     },
 )

@@ -1,17 +1,19 @@
-"""The request body must arrive within ``limits.body_read_timeout_s``: a client that trickles it
-(or never finishes it) gets a 408 and holds nothing."""
+"""Reading and validating request bodies: the body must arrive within
+``limits.body_read_timeout_s`` (a client that trickles it gets a 408), and a large body is parsed and
+tokenized off the event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from typing import Any
 
 import pytest
 from starlette.requests import Request
 
 from deployments.config import AppArgs
-from deployments.frontend import OpenAIFrontend
+from deployments.frontend import OFFLOAD_BODY_BYTES, OpenAIFrontend
 from deployments.http_errors import HTTPError
 
 
@@ -55,3 +57,28 @@ def test_limits_default_to_a_request_timeout_and_a_body_timeout() -> None:
         AppArgs.model_validate({"limits": {"request_timeout_s": None}}).limits.request_timeout_s
         is None
     )
+
+
+def test_large_bodies_are_validated_in_the_worker_pool() -> None:
+    frontend = _frontend(5.0)
+    seen: list[str] = []
+
+    def record(data: Any) -> int:
+        seen.append(threading.current_thread().name)
+        return len(data["prompt"])
+
+    async def run(prompt: str) -> int:
+        return await frontend.validate(record, json.dumps({"prompt": prompt}).encode())
+
+    assert asyncio.run(run("small")) == 5
+    assert asyncio.run(run("x" * OFFLOAD_BODY_BYTES)) == OFFLOAD_BODY_BYTES
+    assert seen[0] == threading.main_thread().name
+    assert seen[1].startswith("prefixserve-validate")
+
+
+def test_a_validation_error_in_the_pool_is_the_request_s_answer() -> None:
+    frontend = _frontend(5.0)
+    body = json.dumps({"prompt": "x" * OFFLOAD_BODY_BYTES, "max_tokens": -1}).encode()
+    with pytest.raises(HTTPError) as e:
+        asyncio.run(frontend.validate(frontend.validator.completion, body))
+    assert e.value.status == 400 and "max_tokens" in str(e.value)
