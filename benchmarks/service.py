@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import yaml
 
+from benchmarks.servers import server_env
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -71,14 +73,16 @@ def running_service(
 ) -> Iterator[str]:
     """Run ``serve run`` on ``config``; yields the base URL once every engine replica serves."""
     config = merge(config, {"http_options": {"port": port}})
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    # The environment `make serve` gives the server (direct ingress needs HAProxy turned on).
+    env = server_env({**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"})
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(config, f)
         path = f.name
     log = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed below
     serve_bin = Path(sys.executable).with_name("serve")
     proc = subprocess.Popen(
-        [str(serve_bin), "run", path],
+        # A cluster of its own, never one already running here.
+        [str(serve_bin), "run", "--address", "local", path],
         cwd=ROOT,
         env=env,
         stdout=log,
