@@ -29,7 +29,7 @@ import ray
 
 from deployments.config import KVSharingArgs
 from deployments.kv_directory import KVDirectory
-from deployments.kv_sharing import KVSharing
+from deployments.kv_sharing import HeldDirectory, KVSharing
 from deployments.metrics import ReplicaMetrics
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
@@ -74,20 +74,7 @@ class PeakRSS:
         return self.peak - self.start
 
 
-class Directory:
-    """The directory actor's handle as a replica holds it."""
-
-    def __init__(self, actor: Any) -> None:
-        self.actor = actor
-
-    def __getattr__(self, method: str) -> Any:
-        return getattr(self.actor, method)
-
-    def reset(self) -> None:
-        pass
-
-
-def replica(config: EngineConfig, name: str, directory: Directory) -> KVSharing:
+def replica(config: EngineConfig, name: str, directory: HeldDirectory) -> KVSharing:
     async_engine = AsyncEngine(LLMEngine(config))
     sharing = KVSharing(name, async_engine, KVSharingArgs(), directory, ReplicaMetrics(name))
     async_engine.start()
@@ -108,7 +95,7 @@ class Owner:
     """The publishing replica, in a process of its own (its object store pages are not ours)."""
 
     def __init__(self, config: EngineConfig, directory: Any) -> None:
-        self.sharing = replica(config, "owner", Directory(directory))
+        self.sharing = replica(config, "owner", HeldDirectory(directory))
 
     async def publish(self, prefix: list[int]) -> None:
         self.sharing.start()
@@ -154,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         log_to_driver=False,
     )
     directory_actor = KVDirectory.remote(capacity_bytes=1 << 30)
-    directory = Directory(directory_actor)
+    directory = HeldDirectory(directory_actor)
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,

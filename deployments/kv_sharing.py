@@ -85,6 +85,20 @@ def _export_numpy(engine: LLMEngine, hashes: list[BlockHash]) -> tuple[list[Bloc
     return found, to_numpy(kv)
 
 
+class HeldDirectory:
+    """A directory actor's handle held by whoever created the actor (tests, benchmarks): it never
+    needs resolving again, so ``reset`` does nothing. Replicas hold a resolving one instead."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def __getattr__(self, method: str) -> Any:
+        return getattr(self.actor, method)
+
+    def reset(self) -> None:
+        pass
+
+
 @dataclass
 class Fetched:
     """Blocks fetched for prompts whose missing blocks start at block ``start``: ``hashes``

@@ -14,7 +14,7 @@ import ray
 
 from deployments.config import KVSharingArgs
 from deployments.kv_directory import KVDirectory
-from deployments.kv_sharing import KVSharing
+from deployments.kv_sharing import HeldDirectory, KVSharing
 from deployments.metrics import ReplicaMetrics
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
@@ -28,33 +28,20 @@ PREFIX_TOKENS = 1024
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-class Directory:
-    """The directory actor's handle as replicas hold it (``reset`` re-resolves; here a no-op)."""
-
-    def __init__(self, actor: Any) -> None:
-        self.actor = actor
-
-    def __getattr__(self, method: str) -> Any:
-        return getattr(self.actor, method)
-
-    def reset(self) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def long_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("long-llama"), max_position_embeddings=2048)
 
 
 @pytest.fixture
-def directory(serve_instance: str) -> Iterator[Directory]:
+def directory(serve_instance: str) -> Iterator[HeldDirectory]:
     # No replica reporter heartbeats here: owners must not expire mid-test.
     actor = KVDirectory.remote(capacity_bytes=256 << 20, owner_timeout_s=3600.0)
-    yield Directory(actor)
+    yield HeldDirectory(actor)
     ray.kill(actor)
 
 
-def _replica(model: Path, name: str, directory: Directory, **args: Any) -> KVSharing:
+def _replica(model: Path, name: str, directory: HeldDirectory, **args: Any) -> KVSharing:
     config = EngineConfig(
         model=str(model), dtype="float32", num_kv_blocks=512, max_num_seqs=32, kv_hash_key="k" * 16
     )
@@ -89,7 +76,7 @@ async def _published(sharing: KVSharing, prompt: list[int], blocks: int) -> None
     raise AssertionError("the prefix was never published")
 
 
-def test_a_burst_on_one_uncached_prefix_fetches_once(long_llama: Path, directory: Directory):
+def test_a_burst_on_one_uncached_prefix_fetches_once(long_llama: Path, directory: HeldDirectory):
     rng = random.Random(11)
     prefix = [rng.randrange(3, 512) for _ in range(PREFIX_TOKENS)]
     prompts = [prefix + [rng.randrange(3, 512) for _ in range(20)] for _ in range(32)]
@@ -120,7 +107,7 @@ def test_a_burst_on_one_uncached_prefix_fetches_once(long_llama: Path, directory
     assert importer.engine.kv.pool.num_free_blocks == importer.engine.kv.pool.num_blocks
 
 
-def test_fetches_past_the_byte_bound_recompute(long_llama: Path, directory: Directory):
+def test_fetches_past_the_byte_bound_recompute(long_llama: Path, directory: HeldDirectory):
     rng = random.Random(12)
     prompt = [rng.randrange(3, 512) for _ in range(PREFIX_TOKENS)]
     owner = _replica(long_llama, "owner", directory)
@@ -141,7 +128,7 @@ def test_fetches_past_the_byte_bound_recompute(long_llama: Path, directory: Dire
     assert _count(importer.skipped) == 1 and _count(importer.fetches) == 0
 
 
-def test_entries_of_another_layout_are_never_fetched(long_llama: Path, directory: Directory):
+def test_entries_of_another_layout_are_never_fetched(long_llama: Path, directory: HeldDirectory):
     """An entry under this engine's hashes whose recorded layout differs (a forged or buggy
     publisher) is refused before any fetch: the prompt recomputes, the refusal is counted."""
     rng = random.Random(13)
