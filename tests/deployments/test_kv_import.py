@@ -1,19 +1,23 @@
 """Importing published KV inside one process: two engines, a real directory actor and Ray's object
-store, no Serve. Single-flight fetches, the byte bound on fetches, and layout refusal."""
+store, no Serve. Single-flight fetches, the byte bound on fetches, layout refusal, and the
+directory's budget against what the object store really pins."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import ray
 
 from deployments.config import KVSharingArgs
-from deployments.kv_directory import KVDirectory
+from deployments.kv_directory import BlockLayout, KVDirectory
 from deployments.kv_sharing import HeldDirectory, KVSharing
 from deployments.metrics import ReplicaMetrics
 from engine.async_engine import AsyncEngine
@@ -149,3 +153,47 @@ def test_entries_of_another_layout_are_never_fetched(long_llama: Path, directory
         importer.async_engine.shutdown()
     assert remote == 0
     assert _count(importer.rejected) == 1 and _count(importer.fetches) == 0
+
+
+def _plasma_bytes() -> int:
+    """Bytes in the cluster's object stores, from Ray's own stats (MiB resolution)."""
+    from ray._private.internal_api import memory_summary
+
+    summary = memory_summary(stats_only=True)
+    match = re.search(r"Plasma memory usage (\d+) MiB", summary)
+    assert match is not None, summary
+    return int(match.group(1)) << 20
+
+
+def test_the_directory_budget_bounds_what_the_object_store_pins(serve_instance: str) -> None:
+    """A long randomized run of publishes (runs of blocks as one object each) and lookups (which
+    keep some entries alive): the object store never holds more of the directory's objects than
+    its byte budget, as Ray's own object store stats count them."""
+    capacity = 8 << 20
+    actor = KVDirectory.remote(capacity_bytes=capacity, owner_timeout_s=3600.0)
+    layout = BlockLayout("float32", (1,))
+    rng = random.Random(21)
+    base = _plasma_bytes()
+    published: list[int] = []
+    try:
+        for step in range(160):
+            n = rng.randrange(1, 9)
+            block = rng.choice((64 << 10, 128 << 10, 256 << 10))
+            hashes = [rng.getrandbits(128) for _ in range(n)]
+            ref = ray.put(np.zeros(n * block, dtype=np.uint8))
+            ray.get(actor.publish.remote("owner", hashes, [ref], block, layout))
+            del ref  # the directory's reference is now the only one
+            published.extend(hashes)
+            if rng.random() < 0.5:
+                # Keep a few old blocks in use: under LRU they outlive their neighbours.
+                ray.get(actor.lookup.remote([rng.choice(published)]))
+            if step % 20 == 19:
+                used = ray.get(actor.stats.remote())["used_bytes"]
+                assert used <= capacity
+                # Freed objects leave the store shortly after their last reference goes.
+                deadline = time.monotonic() + 10
+                while (pinned := _plasma_bytes() - base) > capacity + (1 << 20):
+                    assert time.monotonic() < deadline, (pinned, used)
+                    time.sleep(0.2)
+    finally:
+        ray.kill(actor)
