@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from benchmarks import serve as bench
-from benchmarks.service import config_variant, running_service
+from benchmarks.service import TWO_REPLICAS, config_variant, running_service
 
 POLICIES = ("prefix_aware", "power_of_two", "round_robin")
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     for policy in args.policies.split(","):
         config = config_variant(
-            {"routing_policy": policy, "kv_sharing": {"enabled": args.kv_sharing}}
+            {"routing_policy": policy, "kv_sharing": {"enabled": args.kv_sharing}}, TWO_REPLICAS
         )
         with running_service(config, port=args.port) as url:
             selected = args.workloads.split(",")

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.service import config_variant, running_service
+from benchmarks.service import TWO_REPLICAS, config_variant, running_service
 
 
 def ttft(client: httpx.Client, url: str, prompt: list[int]) -> dict[str, Any]:
@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def prompt() -> list[int]:
         return [rng.randrange(100, 49000) for _ in range(args.prefix_len + args.suffix_len)]
 
-    config = config_variant({"routing_policy": "round_robin", "kv_sharing": {"enabled": True}})
+    config = config_variant(
+        {"routing_policy": "round_robin", "kv_sharing": {"enabled": True}}, TWO_REPLICAS
+    )
     imported, recomputed = [], []
     with running_service(config, port=args.port) as url, httpx.Client(timeout=300) as client:
         ttft(client, url, prompt())  # warm both code paths once

@@ -33,6 +33,11 @@ def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# The shipped config runs one engine replica on both cores; benchmarks of routing and KV sharing
+# need two, a core each.
+TWO_REPLICAS = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}}
+
+
 def config_variant(
     args: dict[str, Any] | None = None,
     engine_deployment: dict[str, Any] | None = None,
