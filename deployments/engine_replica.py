@@ -41,10 +41,11 @@ from deployments.engine_request import (
     error_item,
 )
 from deployments.fault_injection import install_stall_hook
-from deployments.kv_sharing import KVSharing
+from deployments.kv_sharing import DeploymentActor, KVSharing
 from deployments.metrics import ReplicaMetrics
 from deployments.replica_report import ReplicaReporter, detached
 from deployments.stats_log import EngineStatsLog
+from deployments.stream_items import delta_item, timeout_item
 from deployments.vllm_metrics import ChoiceTimer
 from engine.async_engine import AsyncEngine, EngineDeadError, build_on_own_thread
 from engine.attention import native
@@ -127,7 +128,7 @@ class EngineReplica:
                 self.replica_id,
                 self.async_engine,
                 self.args.kv_sharing,
-                _LazyActor(KV_DIRECTORY_ACTOR),
+                DeploymentActor(KV_DIRECTORY_ACTOR),
                 self.metrics,
             )
         self._routing_stats: dict[str, Any] = self._routing_snapshot(self.engine)
@@ -272,11 +273,11 @@ class EngineReplica:
                 timers[index].on_item(sum(len(d.new_token_ids) for d in batch))
                 last[index] = batch[-1]
                 done = all(d is not None and d.finished for d in last)
-                yield self._item(batch, index, done)
+                yield delta_item(self.replica_id, batch, index, done)
         except TimeoutError:
             unfinished = [k for k, d in enumerate(last) if d is None or not d.finished]
             for k in unfinished:
-                yield self._timeout_item(req, last[k], k, done=k == unfinished[-1])
+                yield timeout_item(self.replica_id, req, last[k], k, done=k == unfinished[-1])
         except ValueError as e:
             yield error_item(400, str(e), "invalid_request_error")
         except EngineDeadError as e:
@@ -316,56 +317,6 @@ class EngineReplica:
     def kv_namespace(self) -> str:
         """The namespace of this engine's block hashes (``engine.kv_fingerprint``)."""
         return self.engine.kv_namespace
-
-    def _item(self, batch: list[RequestDelta], index: int = 0, done: bool = True) -> StreamItem:
-        """One stream item: choice ``index``'s new tokens; ``finished`` ends the choice, ``done``
-        the whole request (every choice finished)."""
-        last = batch[-1]
-        logprobs = None
-        if any(d.logprobs for d in batch):
-            logprobs = [
-                (lp.token_id, lp.logprob, lp.top) for d in batch for lp in (d.logprobs or [])
-            ]
-        scored = next((d.prompt_logprobs for d in batch if d.prompt_logprobs), None)
-        prompt_logprobs = (
-            None
-            if scored is None
-            else [None if e is None else (e.token_id, e.logprob, e.top) for e in scored]
-        )
-        return StreamItem(
-            replica_id=self.replica_id,
-            index=index,
-            token_ids=[t for d in batch for t in d.new_token_ids],
-            text="".join(d.new_text for d in batch),
-            finished=last.finished,
-            done=last.finished and done,
-            finish_reason=last.finish_reason,
-            stop_reason=last.stop_reason,
-            prompt_tokens=last.num_prompt_tokens,
-            completion_tokens=last.num_output_tokens,
-            cached_tokens=last.num_cached_tokens,
-            remote_cached_tokens=last.num_remote_cached_tokens,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-        )
-
-    def _timeout_item(
-        self, req: EngineRequest, last: RequestDelta | None, index: int = 0, done: bool = True
-    ) -> StreamItem:
-        return StreamItem(
-            replica_id=self.replica_id,
-            index=index,
-            token_ids=[],
-            text="",
-            finished=True,
-            done=done,
-            finish_reason="timeout",
-            stop_reason=None,
-            prompt_tokens=len(req.prompt_token_ids),
-            completion_tokens=last.num_output_tokens if last else 0,
-            cached_tokens=last.num_cached_tokens if last else 0,
-            remote_cached_tokens=last.num_remote_cached_tokens if last else 0,
-        )
 
     # -- reporting -------------------------------------------------------------------------------
     def _routing_snapshot(self, engine: LLMEngine) -> dict[str, Any]:
@@ -430,20 +381,3 @@ class EngineReplica:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.async_engine.shutdown(timeout=1.0)
-
-
-class _LazyActor:
-    """A deployment-scoped actor handle, resolved on first use and again after a failure (Serve
-    may recreate the actor)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._handle: Any = None
-
-    def __getattr__(self, method: str) -> Any:
-        if self._handle is None:
-            self._handle = serve.get_deployment_actor(self.name)
-        return getattr(self._handle, method)
-
-    def reset(self) -> None:
-        self._handle = None

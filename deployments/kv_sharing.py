@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import ray
 import torch
+from ray import serve
 
 from deployments.config import KVSharingArgs
 from deployments.kv_directory import BlockLayout, Located
@@ -374,3 +375,20 @@ class KVSharing(KVConnector):
 
 async def _await(ref: Any) -> Any:
     return await ref
+
+
+class DeploymentActor:
+    """A deployment-scoped actor handle, resolved on first use and again after a failure (Serve
+    may recreate the actor)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._handle: Any = None
+
+    def __getattr__(self, method: str) -> Any:
+        if self._handle is None:
+            self._handle = serve.get_deployment_actor(self.name)
+        return getattr(self._handle, method)
+
+    def reset(self) -> None:
+        self._handle = None

@@ -1,4 +1,6 @@
-"""OpenAI-compatible request schemas (pydantic) and their mapping onto SamplingParams.
+"""The fields every generation request shares (``SamplingFields``), the completions request,
+and their mapping onto SamplingParams; the chat request builds on them in
+``deployments.chat_protocol``.
 
 Unknown fields are ignored, as OpenAI's own API and vLLM do, so that any client works; fields we
 know but do not implement (``suffix``, ``best_of``) are rejected with a 400 naming the
@@ -8,14 +10,13 @@ OpenAI's API sends them.
 Structured output: OpenAI's ``response_format`` (``json_object``, ``json_schema``) and vLLM's
 ``structured_outputs`` object and older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar`` fields; at most one of them per request, compiled here so that a bad schema
-is a 400 naming its field. Tools (chat): ``tools`` and ``tool_choice``; ``required`` or a named
-function becomes a structured output too.
+is a 400 naming its field. A chat request's ``tool_choice`` of ``required`` or a named function
+becomes a structured output too.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -25,34 +26,24 @@ from pydantic import (
     StrictInt,
     StringConstraints,
     field_validator,
-    model_validator,
 )
 
-from deployments import tool_calls
 from deployments.output_fields import (
-    FunctionCall,
-    NamedToolChoice,
     ResponseFormat,
     StructuredOutputsField,
-    Tool,
-    ToolCall,
 )
 from deployments.request_limits import (
     INT64_MAX,
     INT64_MIN,
     MAX_CACHE_SALT_CHARS,
-    MAX_CONTENT_PARTS,
     MAX_DEADLINE_MS,
     MAX_LOGIT_BIAS,
-    MAX_MESSAGE_CHARS,
-    MAX_MESSAGES,
     MAX_N,
     MAX_PROMPTS,
     MAX_SEQUENCES,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
-    MAX_TOOLS,
 )
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.structured_output import StructuredOutputs
@@ -77,7 +68,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _SamplingFields(BaseModel):
+class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -248,7 +239,7 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """``prompt`` is one prompt (a string or token ids) or a list of them; choice ``i * n + k``
     of the response is prompt ``i``'s choice ``k``. ``echo`` puts the prompt before each
     choice's text, and with ``logprobs`` the prompt tokens' logprobs before the completion's
@@ -296,167 +287,3 @@ class CompletionRequest(_SamplingFields):
         if self.echo and self.logprobs is not None:
             params.prompt_logprobs = self.logprobs
         return params
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    """At most ``MAX_MESSAGE_CHARS`` characters of content, in at most ``MAX_CONTENT_PARTS``
-    parts."""
-
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
-    tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _bounded(self) -> ChatMessage:
-        # Checked after parsing: on a union, a field constraint's error would follow the other
-        # branch's, and the first error is the one the client is shown.
-        if isinstance(self.content, list) and len(self.content) > MAX_CONTENT_PARTS:
-            raise ValueError(f"content: at most {MAX_CONTENT_PARTS} parts per message")
-        size = len(self.content) if isinstance(self.content, str) else len(self.text())
-        if size > MAX_MESSAGE_CHARS:
-            raise ValueError(f"content: {size} characters; at most {MAX_MESSAGE_CHARS} per message")
-        return self
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class Conversation(BaseModel):
-    """Messages and tools, as the chat template receives them."""
-
-    model_config = ConfigDict(extra="ignore")
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
-    add_generation_prompt: StrictBool = True
-
-    @field_validator("messages", mode="before")
-    @classmethod
-    def _non_empty(cls, v: Any) -> Any:
-        if isinstance(v, list) and not v:
-            raise ValueError("must contain at least one message")
-        return v
-
-    def conversation(self) -> list[dict[str, Any]]:
-        # "developer" is OpenAI's newer name for "system"; chat templates know "system".
-        out: list[dict[str, Any]] = []
-        for m in self.messages:
-            msg: dict[str, Any] = {
-                "role": "system" if m.role == "developer" else m.role,
-                "content": m.text(),
-            }
-            if m.tool_calls:
-                # Chat templates write arguments with tojson: they expect a mapping.
-                msg["tool_calls"] = [
-                    {
-                        "id": c.id,
-                        "type": "function",
-                        "function": {"name": c.function.name, "arguments": _loads(c.function)},
-                    }
-                    for c in m.tool_calls
-                ]
-            if m.tool_call_id is not None:
-                msg["tool_call_id"] = m.tool_call_id
-            if m.name is not None:
-                msg["name"] = m.name
-            out.append(msg)
-        return out
-
-    def tool_definitions(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template receives them (transformers' ``tools=``)."""
-        if not self.tools:
-            return None
-        return [t.model_dump(exclude_none=True) for t in self.tools]
-
-
-class ChatCompletionRequest(Conversation, _SamplingFields):
-    max_completion_tokens: Int64 | None = None
-    logprobs: StrictBool = False
-    top_logprobs: Int64 | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-
-    @property
-    def tool_choice_name(self) -> str | None:
-        """``none``, ``auto``, ``required``, the named function, or None (no tools)."""
-        choice = self.tool_choice
-        if isinstance(choice, NamedToolChoice):
-            return choice.function.name
-        if choice is None:
-            return "auto" if self.tools else None
-        return choice
-
-    def _tool_constraint(self) -> tuple[str, StructuredOutputs] | None:
-        choice = self.tool_choice_name
-        if choice in (None, "none", "auto"):
-            return None
-        names = [t.function.name for t in self.tools or []]
-        if not names:
-            raise ProtocolError(f"tool_choice: {choice!r} needs tools", "tool_choice")
-        if choice != "required" and choice not in names:
-            raise ProtocolError(f"tool_choice: no tool named {choice!r}", "tool_choice")
-        spec = tool_calls.constraint(self.tool_definitions() or [], choice)
-        return ("tool_choice", spec) if spec is not None else None
-
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise ProtocolError(f"top_logprobs: must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
-        if self.top_logprobs and not self.logprobs:
-            raise ProtocolError("top_logprobs: requires logprobs to be true", "top_logprobs")
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = (
-            self.max_completion_tokens
-            if self.max_completion_tokens is not None
-            else self.max_tokens
-        )
-        field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-        constraint = self.structured_output(self._tool_constraint())
-        try:
-            return self.sampling_params(max_tokens, logprobs, default_max_tokens, constraint)
-        except ProtocolError as e:
-            if e.param == "max_tokens":
-                e.param = field
-            raise
-
-
-class TokenizeCompletionRequest(BaseModel):
-    """``POST /tokenize`` with a prompt (vLLM's shape)."""
-
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    prompt: str = Field(max_length=MAX_MESSAGE_CHARS)
-    add_special_tokens: StrictBool = True
-    return_token_strs: StrictBool = False
-
-
-class TokenizeChatRequest(Conversation):
-    """``POST /tokenize`` with messages: the chat template's tokens, special tokens added only by
-    the template unless ``add_special_tokens``."""
-
-    model: str | None = None
-    add_special_tokens: StrictBool = False
-    return_token_strs: StrictBool = False
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    tokens: Annotated[list[TokenId], Field(max_length=MAX_MESSAGE_CHARS)]
-
-
-def _loads(call: FunctionCall) -> Any:
-    try:
-        return json.loads(call.arguments)
-    except ValueError:
-        return call.arguments

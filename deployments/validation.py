@@ -18,15 +18,13 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from deployments.chat_protocol import ChatCompletionRequest, Conversation
 from deployments.config import AppArgs
 from deployments.http_errors import HTTPError, validation_message
 from deployments.openai_format import Echo, ResponseBuilder, ToolParsing
-from deployments.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    Conversation,
+from deployments.protocol import CompletionRequest, ProtocolError
+from deployments.tokenize_protocol import (
     DetokenizeRequest,
-    ProtocolError,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )

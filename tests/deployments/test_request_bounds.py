@@ -14,12 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deployments.admission import Admission
+from deployments.chat_protocol import ChatCompletionRequest
 from deployments.config import AppArgs
 from deployments.engine_request import EngineError, EngineRequest
 from deployments.generation import Generation
 from deployments.http_errors import HTTPError, error_response
 from deployments.openai_format import ResponseBuilder
-from deployments.protocol import ChatCompletionRequest
 from deployments.request_limits import (
     INT64_MAX,
     INT64_MIN,

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from deployments.chat_protocol import ChatCompletionRequest
 from deployments.engine_request import StreamItem
 from deployments.openai_format import ResponseBuilder, ToolParsing
-from deployments.protocol import ChatCompletionRequest
 from deployments.tool_calls import ToolCallStream, constraint, detect_format, parse
 from engine.structured_output import StructuredOutputs
 

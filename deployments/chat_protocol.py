@@ -1,0 +1,156 @@
+"""The chat request schema (``/v1/chat/completions``): messages, tools and ``tool_choice``,
+mapped onto SamplingParams through the fields every generation request shares
+(``deployments.protocol``). Message bounds come from ``deployments.request_limits``."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+
+from deployments import tool_calls
+from deployments.output_fields import FunctionCall, NamedToolChoice, Tool, ToolCall
+from deployments.protocol import Int64, ProtocolError, SamplingFields
+from deployments.request_limits import MAX_CONTENT_PARTS, MAX_MESSAGE_CHARS, MAX_MESSAGES, MAX_TOOLS
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.structured_output import StructuredOutputs
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """At most ``MAX_MESSAGE_CHARS`` characters of content, in at most ``MAX_CONTENT_PARTS``
+    parts."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _bounded(self) -> ChatMessage:
+        # Checked after parsing: on a union, a field constraint's error would follow the other
+        # branch's, and the first error is the one the client is shown.
+        if isinstance(self.content, list) and len(self.content) > MAX_CONTENT_PARTS:
+            raise ValueError(f"content: at most {MAX_CONTENT_PARTS} parts per message")
+        size = len(self.content) if isinstance(self.content, str) else len(self.text())
+        if size > MAX_MESSAGE_CHARS:
+            raise ValueError(f"content: {size} characters; at most {MAX_MESSAGE_CHARS} per message")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class Conversation(BaseModel):
+    """Messages and tools, as the chat template receives them."""
+
+    model_config = ConfigDict(extra="ignore")
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    add_generation_prompt: StrictBool = True
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _non_empty(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("must contain at least one message")
+        return v
+
+    def conversation(self) -> list[dict[str, Any]]:
+        # "developer" is OpenAI's newer name for "system"; chat templates know "system".
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            msg: dict[str, Any] = {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.text(),
+            }
+            if m.tool_calls:
+                # Chat templates write arguments with tojson: they expect a mapping.
+                msg["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": _loads(c.function)},
+                    }
+                    for c in m.tool_calls
+                ]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
+        return out
+
+    def tool_definitions(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template receives them (transformers' ``tools=``)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+class ChatCompletionRequest(Conversation, SamplingFields):
+    max_completion_tokens: Int64 | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Int64 | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    @property
+    def tool_choice_name(self) -> str | None:
+        """``none``, ``auto``, ``required``, the named function, or None (no tools)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        if choice is None:
+            return "auto" if self.tools else None
+        return choice
+
+    def _tool_constraint(self) -> tuple[str, StructuredOutputs] | None:
+        choice = self.tool_choice_name
+        if choice in (None, "none", "auto"):
+            return None
+        names = [t.function.name for t in self.tools or []]
+        if not names:
+            raise ProtocolError(f"tool_choice: {choice!r} needs tools", "tool_choice")
+        if choice != "required" and choice not in names:
+            raise ProtocolError(f"tool_choice: no tool named {choice!r}", "tool_choice")
+        spec = tool_calls.constraint(self.tool_definitions() or [], choice)
+        return ("tool_choice", spec) if spec is not None else None
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ProtocolError(f"top_logprobs: must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise ProtocolError("top_logprobs: requires logprobs to be true", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+        field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        constraint = self.structured_output(self._tool_constraint())
+        try:
+            return self.sampling_params(max_tokens, logprobs, default_max_tokens, constraint)
+        except ProtocolError as e:
+            if e.param == "max_tokens":
+                e.param = field
+            raise
+
+
+def _loads(call: FunctionCall) -> Any:
+    try:
+        return json.loads(call.arguments)
+    except ValueError:
+        return call.arguments
