@@ -10,8 +10,10 @@ environment, a Ray cluster of its own) and stops at the end:
 1. Latency: ``--rounds`` bursts of ``--calls`` concurrent ``GET /health`` (after one burst that
    opens the connections); p50, p99 and max over every call, and the status codes. The same
    bursts, interleaved round by round, go to ``--compare`` routes: ``/ping`` (our route that does
-   nothing) and ``/-/healthz`` (Serve's own replica check, no application code at all), which
-   tell what Serve's HTTP path and the client cost per call whatever the route does.
+   nothing) and ``/-/healthz`` (Serve's own health route), which
+   tell what Serve's HTTP path and the client cost per call whatever the route does. With
+   direct ingress HAProxy answers ``/-/healthz`` itself, so that route measures the client and
+   HAProxy alone.
 2. Generation: one streaming completion (greedy, ``--max-tokens`` tokens, ``ignore_eos``) alone,
    then again while a burst of ``--calls`` concurrent ``/health`` calls goes out every
    ``--storm-interval-s``; alternated ``--repeats`` times. Per stream: TPOT (time from the first
@@ -36,6 +38,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -63,14 +66,15 @@ def cpu_model() -> str:
 
 
 async def health_burst(
-    client: httpx.AsyncClient, url: str, calls: int, headers: dict[str, str]
+    client: aiohttp.ClientSession, url: str, calls: int, headers: dict[str, str]
 ) -> tuple[list[float], Counter[int]]:
     """``calls`` concurrent GET ``url``: each call's latency in ms, and the status codes."""
 
     async def one() -> tuple[float, int]:
         start = time.perf_counter()
-        r = await client.get(url, headers=headers)
-        return (time.perf_counter() - start) * 1000, r.status_code
+        async with client.get(url, headers=headers) as r:
+            await r.read()
+            return (time.perf_counter() - start) * 1000, r.status
 
     results = await asyncio.gather(*(one() for _ in range(calls)))
     return [ms for ms, _ in results], Counter(code for _, code in results)
@@ -113,6 +117,7 @@ async def stream_timing(
 
 async def with_storm(
     client: httpx.AsyncClient,
+    prober: aiohttp.ClientSession,
     args: argparse.Namespace,
     urls: tuple[str, str],
     model: str,
@@ -126,7 +131,7 @@ async def with_storm(
         stream_timing(client, completions_url, model, args.max_tokens, headers)
     )
     while not stream.done():
-        ms, c = await health_burst(client, health_url, args.calls, headers)
+        ms, c = await health_burst(prober, health_url, args.calls, headers)
         latencies += ms
         codes += c
         await asyncio.wait([stream], timeout=args.storm_interval_s)
@@ -142,7 +147,14 @@ async def main(args: argparse.Namespace) -> None:
     root = server_root(args.base_url)
     headers = auth_headers(args.api_key)
     limits = httpx.Limits(max_connections=2 * args.calls, max_keepalive_connections=2 * args.calls)
-    async with httpx.AsyncClient(limits=limits, timeout=60.0) as client:
+    # The probes go through aiohttp: httpx's per-request CPU cost on a 2-core machine would
+    # dominate what is measured (the client shares the cores with the server).
+    connector = aiohttp.TCPConnector(limit=2 * args.calls)
+    timeout = aiohttp.ClientTimeout(total=60.0)
+    async with (
+        httpx.AsyncClient(limits=limits, timeout=60.0) as client,
+        aiohttp.ClientSession(connector=connector, timeout=timeout) as prober,
+    ):
         model = args.model or await fetch_first_model(client, root, args.api_key)
         health_url, completions_url = f"{root}/health", f"{root}/v1/completions"
         print(
@@ -153,10 +165,10 @@ async def main(args: argparse.Namespace) -> None:
         latencies: dict[str, list[float]] = {path: [] for path in paths}
         codes: dict[str, Counter[int]] = {path: Counter() for path in paths}
         for path in paths:  # opens the connections
-            await health_burst(client, root + path, args.calls, headers)
+            await health_burst(prober, root + path, args.calls, headers)
         for _ in range(args.rounds):
             for path in paths:
-                ms, c = await health_burst(client, root + path, args.calls, headers)
+                ms, c = await health_burst(prober, root + path, args.calls, headers)
                 latencies[path] += ms
                 codes[path] += c
                 await asyncio.sleep(args.pause_s)
@@ -175,7 +187,7 @@ async def main(args: argparse.Namespace) -> None:
                 await stream_timing(client, completions_url, model, args.max_tokens, headers)
             )
             timing, ms, c = await with_storm(
-                client, args, (health_url, completions_url), model, headers
+                client, prober, args, (health_url, completions_url), model, headers
             )
             stormed.append(timing)
             storm_latencies += ms

@@ -109,7 +109,13 @@ def engine_server_deployment(args: AppArgs) -> Any:
     options = engine_serve_options(args)
     # Control calls and the HTTP side's own admission (it answers 429 past its limit).
     options["max_ongoing_requests"] = args.limits.max_ongoing_per_ingress + INGRESS_HEADROOM
-    options["max_queued_requests"] = args.limits.max_queued_at_proxy
+    # Under direct ingress Serve counts a request as queued from its arrival until it holds one
+    # of those slots, a wait of one event-loop turn even when slots are free: a burst of more
+    # arrivals than this limit in one turn would be refused with free slots. So the queue limit
+    # covers every slot plus the real queue.
+    options["max_queued_requests"] = (
+        options["max_ongoing_requests"] + args.limits.max_queued_at_proxy
+    )
     return serve.deployment(serve.ingress(engine_server_app)(EngineServer)).options(
         name="Engine", deployment_actors=_deployment_actors(args), **options
     )

@@ -641,6 +641,17 @@ def test_serve_options_bound_every_queue_with_429() -> None:
     assert engine_serve_options(default)["max_queued_requests"] == 33
 
 
+def test_direct_layout_queue_limit_covers_a_burst_into_free_slots() -> None:
+    """Serve's direct ingress counts each arrival as queued until it holds a slot: the queue
+    limit must exceed the slots, or a burst into an idle replica gets 429s."""
+    args = AppArgs.model_validate(
+        {"layout": "direct", "limits": {"max_ongoing_per_ingress": 100, "max_queued_at_proxy": 9}}
+    )
+    deployment = engine_server_deployment(args)
+    assert deployment.max_ongoing_requests >= 100
+    assert deployment.max_queued_requests == deployment.max_ongoing_requests + 9
+
+
 def test_dead_engine_is_detected_well_within_a_minute() -> None:
     """A dead engine loop fails every health check at once; Serve needs a few in a row."""
     detect_s = SERVE_UNHEALTHY_THRESHOLD * HEALTH_CHECK_PERIOD_S

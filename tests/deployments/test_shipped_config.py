@@ -5,9 +5,12 @@ cache serving the shared prefixes, and nothing left behind (no timings)."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -19,6 +22,8 @@ pytestmark = pytest.mark.ray
 
 APP = "shipped"
 CONFIG = Path(__file__).resolve().parents[2] / "serve_config.yaml"
+# More than the limits' default max_queued_at_proxy (64).
+BURST = 100
 
 
 def shipped() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -68,3 +73,17 @@ def test_shared_prefix_workload_hits_the_cache_and_nothing_fails(base_url: str) 
     idle = wait_until_idle(base_url)
     assert all(v == 0 for v in idle.values()), idle
     assert scrape(base_url)  # /metrics answers on the direct path too
+
+
+def test_a_burst_of_probes_is_served_not_refused(base_url: str) -> None:
+    """100 concurrent probes at once, as a load balancer's or a monitoring burst: every one is
+    answered 200 (Serve's direct ingress counted each arrival as queued until it held a slot,
+    so a queue limit below the burst refused some with 429 while every slot was free)."""
+
+    async def burst(path: str) -> collections.Counter[int]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+            codes = await asyncio.gather(*(client.get(path) for _ in range(BURST)))
+        return collections.Counter(r.status_code for r in codes)
+
+    for path in ("/ping", "/health"):
+        assert asyncio.run(burst(path)) == {200: BURST}, path
