@@ -27,6 +27,7 @@ export RAY_SERVE_CONTROL_LOOP_INTERVAL_S ?= 0.5
 export RAY_SERVE_PROXY_USE_GRPC ?= 1
 export RAY_SERVE_ENABLE_HA_PROXY ?= 1
 export RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY ?= 1
+export RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD ?= 0
 
 .PHONY: venv serve test lint fmt bench docs-check docs-check-all clean
 

@@ -19,6 +19,11 @@ HTTP on a 2-vCPU machine (docs/benchmarks.md):
   (1-2 ms of CPU each). Replica ports come from 30000-31000 on the node.
 * ``RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY``: HAProxy sends the request body to the
   direct layout's replica chooser (``deployments.route_app``), which routes by the prompt.
+* ``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0``: a replica runs the app's handlers on the
+  event loop that serves its HTTP, as a plain uvicorn app would, instead of handing every request
+  and every streamed chunk to a second loop on another thread. A ``/health`` burst costs about a
+  third as much; the handlers must never block that loop, which is why bodies above a few KiB
+  are validated in a worker pool (``deployments.frontend``) and the engine runs on its own thread.
 """
 
 from __future__ import annotations
@@ -28,4 +33,5 @@ SERVE_PROCESS_ENV: dict[str, str] = {
     "RAY_SERVE_PROXY_USE_GRPC": "1",
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
 }
