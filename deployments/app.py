@@ -24,6 +24,7 @@ from deployments.registry import ReplicaRegistry
 from deployments.replica_report import REGISTRY_ACTOR
 from deployments.request_router import request_router_config
 from deployments.route_app import ReplicaChooser
+from engine.model.loader import check_model
 
 # Serve's max_ongoing_requests counts control calls (metrics, health, KV directory stats) too:
 # leave them room above the admission limits, which the replicas enforce themselves.
@@ -141,6 +142,9 @@ def build(
 ) -> Application:
     """The application graph; the options override deployment settings (replicas, CPUs) for
     programmatic use, where ``serve_config.yaml``'s ``deployments`` section is absent."""
+    # A bad model is one error here, where `serve run` / `serve deploy` reports it, instead of
+    # the same error in every replica, restarted by Serve until it gives up.
+    check_model(args.model, args.tokenizer)
     if args.kv_hash_key is None:
         # One secret per build, shared by every deployment of the application.
         args = args.model_copy(update={"kv_hash_key": secrets.token_hex(16)})

@@ -84,6 +84,41 @@ def resolve_model(model: str) -> Path:
     )
 
 
+def check_model(model: str, tokenizer: str | None = None) -> None:
+    """Raise the ValueError (naming the field) that every replica would otherwise raise when it
+    starts, from what can be known without converting or downloading anything: a known name
+    needs its package, a ``.gguf`` file must exist, a directory needs a ``config.json`` of a
+    supported architecture and ``*.safetensors`` weights, an explicit ``tokenizer`` directory
+    needs tokenizer files. Hub ids pass unchecked: resolving one here would download the
+    weights where the application is built, not where the replicas run."""
+    from engine.model.config import model_config_from_hf
+
+    path = Path(model).expanduser()
+    if model in BUILTIN_MODELS:
+        builtin_gguf_path(model)
+    elif path.is_dir() and (path / "config.json").is_file():
+        try:
+            hf_config, generation_config = load_hf_config(path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"model: {path}/config.json: {e}") from e
+        model_config_from_hf(hf_config, generation_config)
+        if not any(path.glob("*.safetensors")):
+            raise ValueError(f"model: no *.safetensors weights in {path}")
+    elif path.is_file() and path.suffix == ".gguf" or not path.exists() and hub.is_repo_id(model):
+        pass
+    else:
+        resolve_model(model)  # none of the accepted forms: raises the error that lists them
+    if tokenizer:
+        tok = Path(tokenizer).expanduser()
+        if tok.is_dir():
+            if load_tokenizer(tok) is None:
+                raise ValueError(f"tokenizer: {tokenizer!r} holds no tokenizer files")
+        elif tok.exists() or not hub.is_repo_id(tokenizer):
+            raise ValueError(
+                f"tokenizer: {tokenizer!r} is not a directory nor a hub id (owner/name)"
+            )
+
+
 def resolve_tokenizer(tokenizer: str | None, model_dir: Path) -> Any | None:
     """The tokenizer that ``tokenizer`` names (a directory or a hub id; an error where it holds
     none or does not exist), else the model directory's own, else None."""

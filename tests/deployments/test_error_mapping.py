@@ -12,6 +12,7 @@ import itertools
 import json
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from deployments.admission import Admission, gather, read_to_end
 from deployments.app import (
     HEALTH_CHECK_PERIOD_S,
     HEALTH_CHECK_TIMEOUT_S,
+    build_app,
     engine_serve_options,
     engine_server_deployment,
     ingress_serve_options,
@@ -772,3 +774,11 @@ def test_a_failure_while_streaming_ends_with_an_error_event_and_done() -> None:
     err = json.loads(events[-2][len(b"data: ") :])["error"]
     assert err["type"] == "internal_server_error" and "bug" not in err["message"]
     assert gen.admission.inflight == 0
+
+
+def test_a_bad_model_fails_the_build_not_each_replica(tmp_path: Path) -> None:
+    """``serve run`` / ``serve deploy`` report a bad model once, when the app is built."""
+    with pytest.raises(ValueError, match="^model: "):
+        build_app({"model": str(tmp_path / "missing")})
+    with pytest.raises(ValueError, match="^tokenizer: "):
+        build_app({"tokenizer": str(tmp_path / "missing")})

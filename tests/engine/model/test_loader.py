@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -9,6 +12,8 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.model.config import model_config_from_hf
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import (
+    DEFAULT_MODEL,
+    check_model,
     load_hf_config,
     load_safetensors,
     load_tokenizer,
@@ -48,3 +53,36 @@ def test_default_model_resolves_to_its_converted_directory(smollm2_dir):
     assert resolve_model("smollm2-135m-instruct") == smollm2_dir
     assert (smollm2_dir / "config.json").is_file()
     assert (smollm2_dir / ".complete").is_file()
+
+
+def test_check_model_accepts_every_form_without_converting(tiny_llama, tiny_llama_with_tokenizer):
+    check_model(str(tiny_llama))
+    check_model(str(tiny_llama), tokenizer=str(tiny_llama_with_tokenizer))
+    check_model(DEFAULT_MODEL)  # its package is installed; nothing is converted here
+    check_model("some-org/some-model")  # a hub id: left to the replicas, nothing downloaded
+
+
+def test_check_model_names_the_field_of_each_problem(tiny_llama, tmp_path):
+    unsupported = tmp_path / "unsupported"
+    shutil.copytree(tiny_llama, unsupported)
+    config = json.loads((unsupported / "config.json").read_text())
+    (unsupported / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    shutil.copy(tiny_llama / "config.json", no_weights / "config.json")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    cases = {
+        str(tmp_path / "missing"): "is neither",
+        str(unsupported): "not supported",
+        str(no_weights): "no \\*.safetensors",
+        str(broken): "config.json",
+    }
+    for model, message in cases.items():
+        with pytest.raises(ValueError, match=f"^model: .*{message}"):
+            check_model(model)
+    with pytest.raises(ValueError, match="^tokenizer: .*no tokenizer files"):
+        check_model(str(tiny_llama), tokenizer=str(tiny_llama))  # weights, no tokenizer
+    with pytest.raises(ValueError, match="^tokenizer: .*not a directory"):
+        check_model(str(tiny_llama), tokenizer=str(tmp_path / "nothing" / "here"))
