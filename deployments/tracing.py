@@ -166,7 +166,9 @@ async def traced_response(span: Span, response: Awaitable[Any]) -> Any:
     from opentelemetry.trace import StatusCode
 
     try:
-        with trace.use_span(span, end_on_exit=False, record_exception=False):
+        with trace.use_span(
+            span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+        ):
             answer = await response
     except Exception as e:
         # An HTTPError is the answer (4xx are the client's: no error status on a SERVER span).
@@ -308,7 +310,7 @@ class ReplicaTrace:
                 },
             ),
         )
-        for (name, attributes), start, end in zip(phases, stamps, stamps[1:], strict=True):
+        for (name, attributes), start, end in zip(phases, stamps[:-1], stamps[1:], strict=True):
             if start is None or end is None:
                 continue  # never scheduled, or no token: the phase did not happen
             span = self.tracer.start_span(
