@@ -54,6 +54,7 @@ APP_FLAGS = (
     "engine_stall_timeout_s",
     "enable_log_requests",
     "log_stats_interval_s",
+    "otlp_traces_endpoint",
 )
 HELP = {
     "model": "model name (built-in), Hugging Face directory or .gguf file",
@@ -84,6 +85,8 @@ HELP = {
     "engine_stall_timeout_s": "seconds one engine step may take before the replica is replaced",
     "enable_log_requests": "log each request (with its response id and x-request-id)",
     "log_stats_interval_s": "seconds between an engine replica's stats lines",
+    "otlp_traces_endpoint": "OTLP endpoint for OpenTelemetry traces of requests, e.g. "
+    "http://127.0.0.1:4318/v1/traces (needs the tracing extra; default: off)",
 }
 # `prefixserve bench NAME ...` runs benchmarks.<module>.main(argv).
 BENCHMARKS = {

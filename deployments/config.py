@@ -174,6 +174,10 @@ class AppArgs(_Strict):
     # Seconds between an engine replica's stats lines (running, waiting, KV usage, prefix hit
     # ratio, tokens/s); written while the replica is busy and once when it goes idle. None: none.
     log_stats_interval_s: float | None = Field(10.0, gt=0)
+    # OTLP endpoint that receives OpenTelemetry traces of requests (as vLLM's
+    # --otlp-traces-endpoint; needs the `tracing` extra). None: off, unless the environment sets
+    # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (deployments/tracing.py).
+    otlp_traces_endpoint: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _check(self) -> AppArgs:

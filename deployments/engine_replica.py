@@ -29,7 +29,7 @@ import ray
 from prometheus_client import Counter, Gauge
 from ray import serve
 
-from deployments import request_logging
+from deployments import request_logging, tracing
 from deployments.choices import choice_params, merge_streams
 from deployments.config import AppArgs
 from deployments.cpu_affinity import replica_engine_cpus, restore_priority
@@ -75,6 +75,8 @@ class EngineReplica:
         self.args = AppArgs.model_validate(args)
         request_logging.install()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        # None: tracing is off (nothing of OpenTelemetry is imported then).
+        self.tracer = tracing.setup(self.args.otlp_traces_endpoint)
         self.started_at = time.time()
         config = self.args.engine_config(num_threads=_assigned_cpus())
         self.engine = build_on_own_thread(lambda: LLMEngine(config))
@@ -170,25 +172,36 @@ class EngineReplica:
         if request_logging.current() != ids:
             request_logging.bind(ids.response_id, ids.x_request_id)
         self._ensure_reporter()
+        trace = (
+            None if self.tracer is None else tracing.ReplicaTrace(self.tracer, req, self.replica_id)
+        )
         capacity = self.capacity
         # Checked and counted with no await in between: admission is atomic on the event loop.
         if capacity is not None and self.num_admitted + req.n > capacity:
             self.rejected.labels(replica=self.replica_id).inc()
-            yield error_item(
+            refusal = error_item(
                 429,
                 f"engine replica overloaded: {self.num_admitted} requests admitted "
                 f"(limit {capacity})",
                 "overloaded_error",
                 "overloaded",
             )
+            if trace is not None:
+                trace.observe(refusal)
+                trace.end()
+            yield refusal
             return
         # Each choice is a sequence of its own in the engine.
         self._set_admitted(self.num_admitted + req.n)
         try:
-            async for item in self._generate(req):
+            async for item in self._generate(req, trace):
+                if trace is not None:
+                    trace.observe(item)
                 yield item
         finally:
             self._set_admitted(self.num_admitted - req.n)
+            if trace is not None:
+                trace.end()
 
     def _set_admitted(self, n: int) -> None:
         self.num_admitted = n
@@ -197,7 +210,9 @@ class EngineReplica:
             self.admitted_peak = n
             self.admitted_peak_gauge.labels(replica=self.replica_id).set(n)
 
-    async def _generate(self, req: EngineRequest) -> AsyncIterator[StreamItem | EngineError]:
+    async def _generate(
+        self, req: EngineRequest, trace: tracing.ReplicaTrace | None = None
+    ) -> AsyncIterator[StreamItem | EngineError]:
         if self.async_engine.error is not None:
             # This replica is about to exit (see _on_engine_death): the caller then sees it die
             # and retries elsewhere. Answer only if the exit is late.
@@ -288,8 +303,10 @@ class EngineReplica:
             yield error_item(500, f"internal error: {type(e).__name__}", "internal_error")
         finally:
             await merged.aclose()
-            for delta, timer in zip(last, timers, strict=True):
+            for k, (delta, timer) in enumerate(zip(last, timers, strict=True)):
                 if delta is not None and delta.finished and first_at is not None:
+                    if trace is not None:
+                        trace.choice(k, timer, delta)
                     n = delta.num_output_tokens
                     tpot = (time.monotonic() - first_at) / (n - 1) if n > 1 else None
                     self.metrics.observe_request(first_at - arrival, tpot)

@@ -41,6 +41,9 @@ class EngineRequest:
     kv_namespace: str | None = None
     # The client's x-request-id header, for the replica's log lines (deployments.request_logging).
     x_request_id: str | None = None
+    # W3C trace context (``traceparent``...) of the HTTP request's span, with tracing on
+    # (deployments.tracing); the routing and engine replica spans are its children.
+    trace_context: dict[str, str] | None = None
 
 
 @dataclass

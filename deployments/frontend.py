@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from deployments import request_logging
+from deployments import request_logging, tracing
 from deployments.admission import CONTENT_TYPE_LATEST, Admission
 from deployments.config import AppArgs
 from deployments.generation import EngineBackend, Generation
@@ -63,6 +63,9 @@ class OpenAIFrontend:
         self.reports = reports
         self.api_key = args.resolved_api_key()
         self.health_cache = CachedVerdict(lambda: cluster_verdict(reports))
+        self.replica_id = replica_id
+        # None: tracing is off (nothing of OpenTelemetry is imported then).
+        self.tracer = tracing.setup(args.otlp_traces_endpoint)
 
     def check_auth(self, request: Request) -> None:
         if not self.api_key:
@@ -120,18 +123,35 @@ class OpenAIFrontend:
         )
 
     async def completions(self, request: Request) -> Response:
-        request_logging.bind(x_request_id=_x_request_id(request))
-        self.check_auth(request)
-        self.generation.check_capacity()
-        job = await self.validate(self.validator.completion, await self.read_body(request))
-        return await self.generation.run(self._received(job, "completion"))
+        return await self._generate(request, self.validator.completion, "completion")
 
     async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, self.validator.chat, "chat completion")
+
+    async def _generate(
+        self, request: Request, validate: Callable[[Any], GenerationJob], kind: str
+    ) -> Response:
         request_logging.bind(x_request_id=_x_request_id(request))
+        if self.tracer is None:
+            return await self._run(request, validate, kind, None)
+        span = tracing.http_span(self.tracer, request.method, request.url.path, request.headers)
+        return await tracing.traced_response(span, self._run(request, validate, kind, span))
+
+    async def _run(
+        self,
+        request: Request,
+        validate: Callable[[Any], GenerationJob],
+        kind: str,
+        span: Any,
+    ) -> Response:
         self.check_auth(request)
         self.generation.check_capacity()
-        job = await self.validate(self.validator.chat, await self.read_body(request))
-        return await self.generation.run(self._received(job, "chat completion"))
+        job = self._received(await self.validate(validate, await self.read_body(request)), kind)
+        if span is not None:
+            ids = request_logging.current()
+            model = self.validator.model_name
+            tracing.describe_job(span, job, model, ids.x_request_id, self.replica_id)
+        return await self.generation.run(job)
 
     def _received(self, job: GenerationJob, kind: str) -> GenerationJob:
         """Bind the response id for the request's log lines (and log the request if asked)."""

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
-from deployments import request_logging
+from deployments import request_logging, tracing
 from deployments.admission import Admission, Lease, LeasedStreamingResponse, gather, read_to_end
 from deployments.choices import merge_streams
 from deployments.config import AppArgs
@@ -87,6 +87,7 @@ class Generation:
         self.block_size = args.engine.block_size
         self.hash_key = hash_key(args.kv_hash_key)
         self.retry_after = {"Retry-After": str(args.limits.retry_after_s)}
+        self.traced = tracing.enabled(args.otlp_traces_endpoint)
 
     def _replica_header(self, items: list[StreamItem]) -> dict[str, str]:
         """Which engine replica served the request (several, comma-separated, for several
@@ -119,6 +120,8 @@ class Generation:
 
     def engine_requests(self, job: GenerationJob, namespace: str | None) -> list[EngineRequest]:
         rid = job.builder.id
+        # The HTTP span's context (current while the route runs), for the spans downstream.
+        carrier = tracing.current_carrier() if self.traced else None
         return [
             EngineRequest(
                 request_id=rid if len(job.prompts) == 1 else f"{rid}-{i}",
@@ -135,6 +138,7 @@ class Generation:
                 n=job.n,
                 cache_salt=job.cache_salt,
                 x_request_id=request_logging.current().x_request_id,
+                trace_context=carrier,
             )
             for i, ids in enumerate(job.prompts)
         ]

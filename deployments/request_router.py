@@ -23,6 +23,7 @@ from typing import Any
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from deployments import tracing
 from router import RouterConfig, RoutingPolicy, make_policy
 
 logger = logging.getLogger("ray.serve")
@@ -124,6 +125,8 @@ class PolicyRequestRouter(RequestRouter):
     def _rank(
         self, candidates: list[RunningReplica], pending_request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
+        tracer = tracing.active()
+        started_ns = 0 if tracer is None else time.time_ns()
         now = time.time()
         by_key: dict[str, RunningReplica] = {}
         for replica in candidates:
@@ -143,8 +146,56 @@ class PolicyRequestRouter(RequestRouter):
                 rank for rank, f in zip(ranked, full, strict=True) if f
             ]
         if ranked and pending_request is not None:
+            if tracer is not None:
+                # Before the choice is held: that counts the prompt as cached there.
+                self._trace(tracer, started_ns, pending_request, ranked[0][0], hashes, directory)
             self._hold_first_choice(pending_request, ranked[0][0], hashes, now)
         return ranked
+
+    def _trace(
+        self,
+        tracer: Any,
+        started_ns: int,
+        pending_request: PendingRequest,
+        chosen: RunningReplica,
+        hashes: list[int],
+        directory: Any,
+    ) -> None:
+        """The decision as a ``route`` span, for a request that carries a trace context: the
+        chosen replica, why (the policy's outcome: prefix, guarded, fallback...), and the prompt
+        blocks its cache is predicted to hold. Never fails the ranking."""
+        try:
+            request = pending_request.args[0] if pending_request.args else None
+            carrier = _field(request, "trace_context")
+            if not carrier:
+                return
+            key = replica_key(chosen.replica_id)
+            view = self._policy.view(key)
+            now = time.time()
+            attributes: dict[str, Any] = {
+                "prefixserve.routing.policy": self.policy_name,
+                "prefixserve.routing.replica_id": key,
+                "prefixserve.routing.reason": self._policy.last_outcome or "",
+                "prefixserve.routing.prompt_blocks": len(hashes),
+                "gen_ai.request.id": str(_field(request, "request_id") or ""),
+            }
+            score = getattr(self._policy, "score", None)
+            matched = 0
+            if score is not None:
+                (terms,) = score([key], hashes, now, directory)
+                matched = terms.matched_blocks
+                attributes["prefixserve.routing.predicted_import_blocks"] = terms.transfer_blocks
+                attributes["prefixserve.routing.cost"] = terms.cost
+            elif view is not None:
+                matched = view.matched_blocks(hashes, now, self._policy.config.decision_ttl_s)
+            block_size = (view.block_size if view is not None else None) or 0
+            attributes["prefixserve.routing.predicted_hit_blocks"] = matched
+            attributes["prefixserve.routing.predicted_hit_tokens"] = matched * block_size
+            if view is not None:
+                attributes["prefixserve.routing.estimated_load"] = view.estimated_load
+            tracing.record_routing(tracer, carrier, started_ns, attributes)
+        except Exception:
+            self._log_error("could not trace a routing decision")
 
     def _hold_first_choice(
         self,

@@ -34,6 +34,8 @@ class RoutingPolicy(ABC):
         self.rng = rng if rng is not None else random.Random()
         self.state = ClusterState(self.config.decision_ttl_s)
         self.counters: dict[str, int] = {}
+        # The kind of the latest ranking (a key of ``counters``): why its first choice won.
+        self.last_outcome: str | None = None
 
     # -- state hooks ------------------------------------------------------------------------
 
@@ -84,6 +86,7 @@ class RoutingPolicy(ABC):
 
     def _count(self, kind: str) -> None:
         self.counters[kind] = self.counters.get(kind, 0) + 1
+        self.last_outcome = kind
 
     def _power_of_two(
         self, candidates: Sequence[str], loads: Sequence[float] | None = None
