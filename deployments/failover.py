@@ -76,14 +76,23 @@ class ChoiceProgress:
 
 class PromptProgress:
     """What one prompt's choices (``request.n`` of them, the response's choices ``offset + k``)
-    sent so far, fed with every item the client gets, original or resumed. ``resumes``: how
-    many times the prompt's stream was resumed."""
+    sent so far, fed with every item the client gets, original or resumed.
+
+    ``resumes``: resumptions after a stream that had delivered items failed (bounded by
+    ``MAX_RESUMES``); ``reopens``: resumptions after a resumed stream failed before delivering
+    any (it met a replica already dead or full; bounded like first attempts). ``opened`` numbers
+    the resumed requests' ids."""
 
     def __init__(self, request: EngineRequest, offset: int) -> None:
         self.request = request
         self.offset = offset
         self.choices = [ChoiceProgress() for _ in range(request.n)]
         self.resumes = 0
+        self.reopens = 0
+
+    @property
+    def opened(self) -> int:
+        return self.resumes + self.reopens
 
     def observe(self, item: StreamItem) -> None:
         choice = self.choices[item.index - self.offset]
@@ -215,6 +224,8 @@ class ResumedStream:
 
     def __init__(self, parts: list[tuple[SeamDetokenizer, Any]]) -> None:
         self.streams = [stream for _, stream in parts]
+        # Whether any item came out: a failure before one is a failed open, not a lost stream.
+        self.delivered = False
         self.pending = {seam.index for seam, _ in parts}
         self._merged = merge_streams([self._items(seam, stream) for seam, stream in parts])
 
@@ -237,6 +248,7 @@ class ResumedStream:
 
     async def __anext__(self) -> StreamItem | EngineError:
         _, item = await self._merged.__anext__()
+        self.delivered = True
         if isinstance(item, StreamItem) and item.finished:
             self.pending.discard(item.index)
             item.done = not self.pending

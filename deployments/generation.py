@@ -293,21 +293,30 @@ class Generation:
         """Prompt ``i``'s unfinished choices, each opened again after the tokens it sent;
         raises ``error``'s HTTP error when the stream cannot be resumed."""
         original = progress.request
+        failed = lease.streams[i]
+        # A resumed stream that failed before any item met a dead or full replica: open again,
+        # as a first attempt would be, without counting a failover.
+        reopen = isinstance(failed, ResumedStream) and not failed.delivered
         why = resume_blocker(original.sampling)
         if self.backend.max_attempts <= 1:
             why = "the engine runs in the process that serves the stream"
-        elif progress.resumes >= MAX_RESUMES:
+        elif not reopen and progress.resumes >= MAX_RESUMES:
             why = f"resumed {progress.resumes} times already"
+        elif reopen and progress.reopens + 1 >= self.backend.max_attempts:
+            why = f"{progress.reopens + 1} resumed requests failed before any output"
         parts: list[tuple[SeamDetokenizer, EngineStream]] = []
         if why is None:
-            progress.resumes += 1
+            if reopen:
+                progress.reopens += 1
+            else:
+                progress.resumes += 1
             hasher = self._hasher(original)
             try:
                 for k in progress.unfinished():
                     choice = progress.choices[k]
-                    req = resume_request(original, k, choice, progress.resumes, hasher)
+                    req = resume_request(original, k, choice, progress.opened, hasher)
                     seam = SeamDetokenizer(tokenizer, original, k, choice)
-                    key = f"{i}-resume{progress.resumes}-{k}"
+                    key = f"{i}-resume{progress.opened}-{k}"
                     parts.append((seam, self.backend.open(req, i, len(lease.streams), key)))
             except ValueError as e:
                 why = str(e)
@@ -316,11 +325,13 @@ class Generation:
                 stream.cancel()
             logger.warning("engine stream failed after output, not resumed (%s): %s", why, error)
             raise error.error from error
-        self.admission.metrics.failovers.inc(len(parts))
+        if not reopen:
+            self.admission.metrics.failovers.inc(len(parts))
         logger.warning(
-            "engine stream failed after output (%s): resuming %d choice(s) on another replica "
-            "(resumption %d of at most %d)",
+            "engine stream failed after output (%s): %s %d choice(s) on another replica "
+            "(failover %d of at most %d)",
             error,
+            "opening again" if reopen else "resuming",
             len(parts),
             progress.resumes,
             MAX_RESUMES,

@@ -393,3 +393,19 @@ def test_the_direct_layouts_local_engine_is_not_resumed() -> None:
     events = stream_response(gen, original, FakeStream(item(0, [3], False), ActorDiedError()), None)
     assert error_of(events)["code"] == "engine_unavailable"
     assert backend.opened == []
+
+
+def test_a_resumed_request_that_meets_a_dead_replica_is_opened_again() -> None:
+    """A resumed request that fails before any item (the router still knew the dead replica)
+    is opened again without counting a failover; the client sees nothing of it."""
+    original = EngineRequest("cmpl-1", [1, 2], SamplingParams(max_tokens=3, temperature=0))
+    first = FakeStream(item(0, [3], False), ActorDiedError())
+    backend = FakeBackend(
+        FakeStream(ActorDiedError()), FakeStream(item(0, [4], False), item(0, [5], True))
+    )
+    gen = make_generation(backend=backend)
+    events = stream_response(gen, original, first, None)
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 3
+    assert [c["choices"][0]["finish_reason"] for c in events[:-2]] == [None, None, "length"]
+    assert [p for p, _, _ in backend.opened] == [[1, 2, 3], [1, 2, 3]]
+    assert gen.admission.metrics.failovers._value.get() == 1
