@@ -72,6 +72,13 @@ class IngressMetrics:
             ["ingress"],
             registry=r,
         ).labels(**labels)
+        self.failovers = Counter(
+            "prefixserve_failovers",
+            "Choices of streams resumed on another engine replica after theirs failed mid-stream "
+            "(deployments.failover).",
+            ["ingress"],
+            registry=r,
+        ).labels(**labels)
         self.peak = 0
         self.in_flight.set(0)
         self.in_flight_peak.set(0)

@@ -56,7 +56,9 @@ class LocalBackend:
     def __init__(self, replica: EngineReplica) -> None:
         self.replica = replica
 
-    def open(self, req: EngineRequest, index: int, num_prompts: int) -> LocalStream:
+    def open(
+        self, req: EngineRequest, index: int, num_prompts: int, key: str | None = None
+    ) -> LocalStream:
         return LocalStream(self.replica.generate(req))
 
     async def kv_namespace(self) -> str | None:

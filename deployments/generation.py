@@ -8,8 +8,10 @@ Failures: a prompt whose engine attempt fails before anything reached the client
 died, refused with 429, or its engine had died before the request got there) is tried again, up
 to the backend's ``max_attempts`` (another replica may succeed; a local backend has one). A
 non-streamed request is retried even after tokens were produced, since none were sent. A stream
-that already started ends with an SSE error event instead. A request that was running when its
-engine loop died is not retried (it may be what broke it): it gets a 503.
+that already started is resumed on another replica from the tokens already sent, where the
+backend has other replicas and the request's sampling allows it (``deployments.failover``), at
+most ``failover.MAX_RESUMES`` times; otherwise it ends with an SSE error event. A request that was
+running when its engine loop died is not retried (it may be what broke it): it gets a 503.
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ from deployments.engine_request import (
     EngineRequest,
     StreamItem,
 )
+from deployments.failover import (
+    MAX_RESUMES,
+    PromptProgress,
+    ResumedStream,
+    SeamDetokenizer,
+    resume_blocker,
+    resume_request,
+)
 from deployments.http_errors import HTTPError
 from deployments.kv_namespace import prompt_block_hashes
 from deployments.openai_format import ResponseBuilder, error_body, sse
@@ -57,12 +67,16 @@ class EngineStream(Protocol):
 
 class EngineBackend(Protocol):
     """Where engine requests run. ``max_attempts``: tries per prompt (1 when a retry would
-    land on the same engine). ``kv_namespace``: the engines' block-hash namespace, as they
-    report it (None: not known yet)."""
+    land on the same engine, which also rules out resuming a stream). ``kv_namespace``: the
+    engines' block-hash namespace, as they report it (None: not known yet). ``open``'s ``key``
+    names a call made beside the request's others (a resumed choice), which must not share
+    their routing identity."""
 
     max_attempts: int
 
-    def open(self, req: EngineRequest, index: int, num_prompts: int) -> EngineStream: ...
+    def open(
+        self, req: EngineRequest, index: int, num_prompts: int, key: str | None = None
+    ) -> EngineStream: ...
 
     async def kv_namespace(self) -> str | None: ...
 
@@ -158,7 +172,7 @@ class Generation:
                 )
                 handed_off = True
                 return LeasedStreamingResponse(
-                    self._sse(lease, firsts, job.builder, job.include_usage),
+                    self._sse(lease, engine_reqs, firsts, job.builder, job.include_usage),
                     lease,
                     media_type="text/event-stream",
                     headers=self._replica_header(firsts),
@@ -260,21 +274,98 @@ class Generation:
             503, message, "service_unavailable", code="engine_unavailable", headers=self.retry_after
         )
 
+    async def _next_or_resume(
+        self, lease: Lease, i: int, progress: PromptProgress, tokenizer: Any
+    ) -> StreamItem:
+        """Prompt ``i``'s next item; its stream resumed on another replica when it fails in a
+        way another replica may not (see ``deployments.failover``)."""
+        while True:
+            try:
+                return await self._next_item(lease.streams[i], progress.offset)
+            except RetryableError as e:
+                lease.streams[i].cancel()
+                lease.streams[i] = self._resume(e, lease, i, progress, tokenizer)
+
+    def _resume(
+        self,
+        error: RetryableError,
+        lease: Lease,
+        i: int,
+        progress: PromptProgress,
+        tokenizer: Any,
+    ) -> ResumedStream:
+        """Prompt ``i``'s unfinished choices, each opened again after the tokens it sent;
+        raises ``error``'s HTTP error when the stream cannot be resumed."""
+        original = progress.request
+        failed = lease.streams[i]
+        # A resumed stream that failed before any item met a dead or full replica: open again,
+        # as a first attempt would be, without counting a failover.
+        reopen = isinstance(failed, ResumedStream) and not failed.delivered
+        why = resume_blocker(original.sampling)
+        if self.backend.max_attempts <= 1:
+            why = "the engine runs in the process that serves the stream"
+        elif not reopen and progress.resumes >= MAX_RESUMES:
+            why = f"resumed {progress.resumes} times already"
+        elif reopen and progress.reopens + 1 >= self.backend.max_attempts:
+            why = f"{progress.reopens + 1} resumed requests failed before any output"
+        parts: list[tuple[SeamDetokenizer, EngineStream]] = []
+        if why is None:
+            if reopen:
+                progress.reopens += 1
+            else:
+                progress.resumes += 1
+            hasher = self._hasher(original)
+            try:
+                for k in progress.unfinished():
+                    choice = progress.choices[k]
+                    req = resume_request(original, k, choice, progress.opened, hasher)
+                    seam = SeamDetokenizer(tokenizer, original, k, choice)
+                    key = f"{i}-resume{progress.opened}-{k}"
+                    parts.append((seam, self.backend.open(req, i, len(lease.streams), key)))
+            except ValueError as e:
+                why = str(e)
+        if why is not None:
+            for _, stream in parts:
+                stream.cancel()
+            logger.warning("engine stream failed after output, not resumed (%s): %s", why, error)
+            raise error.error from error
+        if not reopen:
+            self.admission.metrics.failovers.inc(len(parts))
+        logger.warning(
+            "engine stream failed after output (%s): %s %d choice(s) on another replica "
+            "(failover %d of at most %d)",
+            error,
+            "opening again" if reopen else "resuming",
+            len(parts),
+            progress.resumes,
+            MAX_RESUMES,
+        )
+        return ResumedStream(parts)
+
+    def _hasher(self, req: EngineRequest) -> Callable[[list[int]], list[int]]:
+        """Block hashes of a prompt as ``req``'s were computed."""
+        return lambda ids: prompt_block_hashes(
+            ids, self.block_size, req.kv_namespace, self.hash_key, req.cache_salt
+        )
+
     async def _sse(
         self,
         lease: Lease,
+        engine_reqs: list[EngineRequest],
         firsts: list[StreamItem],
         builder: ResponseBuilder,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
         async def prompt_items(i: int) -> AsyncIterator[StreamItem]:
+            progress = PromptProgress(engine_reqs[i], i * builder.n)
             item = firsts[i]
             while True:
+                progress.observe(item)
                 yield item
                 if item.done:
                     lease.ended[i] = True
                     return
-                item = await self._next_item(lease.streams[i], i * builder.n)
+                item = await self._next_or_resume(lease, i, progress, builder.tokenizer)
 
         try:
             if builder.chat:

@@ -4,7 +4,8 @@ Used where engine replicas are many and spread over nodes (KubeRay): each prompt
 its own by the handle's request router (router/'s policy reads ``EngineRequest.block_hashes``)
 and its items relayed from the chosen replica. A prompt whose replica fails before anything
 reached the client is retried on another replica, up to ``MAX_ATTEMPTS`` in all
-(``deployments.generation``). The laptop layout serves HTTP from the engine replica itself
+(``deployments.generation``); one whose replica fails mid-stream is resumed on another replica
+from the tokens already sent (``deployments.failover``). The laptop layout serves HTTP from the engine replica itself
 (``deployments.engine_server``).
 """
 
@@ -59,9 +60,9 @@ class HandleBackend:
     async def kv_namespace(self) -> str | None:
         return await self.namespace.get()
 
-    def open(self, req: EngineRequest, index: int, num_prompts: int) -> Any:
-        if num_prompts > 1:
-            _own_serve_request_id(str(index))
+    def open(self, req: EngineRequest, index: int, num_prompts: int, key: str | None = None) -> Any:
+        if key is not None or num_prompts > 1:
+            _own_serve_request_id(key or str(index))
         return self.generate_handle.remote(req)
 
 

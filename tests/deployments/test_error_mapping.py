@@ -82,7 +82,9 @@ class FakeBackend:
         self.streams = list(streams)
         self.opened: list[tuple[list[int], int, int]] = []
 
-    def open(self, req: EngineRequest, index: int, num_prompts: int) -> FakeStream:
+    def open(
+        self, req: EngineRequest, index: int, num_prompts: int, key: str | None = None
+    ) -> FakeStream:
         self.opened.append((req.prompt_token_ids, index, num_prompts))
         return self.streams.pop(0)
 
@@ -767,7 +769,8 @@ def test_a_failure_while_streaming_ends_with_an_error_event_and_done() -> None:
     builder.chunk = chunk  # type: ignore[method-assign]
 
     async def run() -> list[bytes]:
-        return [b async for b in gen._sse(lease, [item(0, False)], builder, False)]
+        req = EngineRequest("cmpl-1", [5], SamplingParams())
+        return [b async for b in gen._sse(lease, [req], [item(0, False)], builder, False)]
 
     events = asyncio.run(run())
     assert events[-1] == b"data: [DONE]\n\n"
