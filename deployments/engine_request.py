@@ -41,6 +41,9 @@ class EngineRequest:
     kv_namespace: str | None = None
     # The client's x-request-id header, for the replica's log lines (deployments.request_logging).
     x_request_id: str | None = None
+    # The conversation it belongs to (x-session-id header, else the OpenAI ``user`` field): the
+    # request router sends a session's turns to its latest replica unless the cost says otherwise.
+    session_id: str | None = None
 
 
 @dataclass

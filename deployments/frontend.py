@@ -29,7 +29,7 @@ from deployments.generation import EngineBackend, Generation
 from deployments.health import CachedVerdict, Reports, cluster_verdict, health_verdict
 from deployments.http_errors import HTTPError, install_error_handlers
 from deployments.metrics import render
-from deployments.validation import GenerationJob, RequestValidator
+from deployments.validation import GenerationJob, RequestValidator, session_header, session_key
 
 logger = logging.getLogger("ray.serve")
 
@@ -124,17 +124,21 @@ class OpenAIFrontend:
         self.check_auth(request)
         self.generation.check_capacity()
         job = await self.validate(self.validator.completion, await self.read_body(request))
-        return await self.generation.run(self._received(job, "completion"))
+        return await self.generation.run(self._received(job, "completion", request))
 
     async def chat_completions(self, request: Request) -> Response:
         request_logging.bind(x_request_id=_x_request_id(request))
         self.check_auth(request)
         self.generation.check_capacity()
         job = await self.validate(self.validator.chat, await self.read_body(request))
-        return await self.generation.run(self._received(job, "chat completion"))
+        return await self.generation.run(self._received(job, "chat completion", request))
 
-    def _received(self, job: GenerationJob, kind: str) -> GenerationJob:
-        """Bind the response id for the request's log lines (and log the request if asked)."""
+    def _received(self, job: GenerationJob, kind: str, request: Request) -> GenerationJob:
+        """Bind the response id for the request's log lines (and log the request if asked); the
+        session header, when sent, names the request's session over the body's ``user``."""
+        header = session_header(request.headers)
+        if header:
+            job.session_id = session_key(header, None)
         request_logging.bind(response_id=job.builder.id)
         if self.args.enable_log_requests:
             logger.info(
