@@ -32,8 +32,9 @@ class RouterConfig:
     # Raising it makes cache hits worth more relative to load: stickier routing.
     prefill_cost_per_block: float = 1.0
     # Cost of each request already running or waiting on a replica (block-prefill units per
-    # request): how long one request ahead of us delays ours. Raising it spreads load sooner.
-    load_cost_per_request: float = 4.0
+    # request), beyond its queued prefill (counted below): each running sequence lengthens
+    # every step of the replica a little. Raising it spreads load sooner, at the cost of hits.
+    load_cost_per_request: float = 0.25
     # Cost of importing one block that another replica published to the shared KV directory
     # instead of recomputing it (block-prefill units). Only used when the caller says which hashes
     # the directory holds. Below prefill_cost_per_block, a directory hit counts as a cheap miss.
@@ -43,9 +44,10 @@ class RouterConfig:
     # Cost of each prompt block already queued for prefill on a replica (block-prefill units per
     # block). Requests count alike whatever their prompt; this term tells a replica that is busy
     # prefilling a long cold prompt (a new request waits behind it) from one that only decodes.
-    # Below prefill_cost_per_block, because the queued work may be the very prefix this request
-    # would reuse, and piling onto it still saves compute.
-    queued_prefill_cost_per_block: float = 0.5
+    # Equal to prefill_cost_per_block: a block queued ahead of the request delays its first
+    # token as much as one of its own (the queue counts less the request's matched blocks,
+    # since the queued work may be the very prefix it would reuse).
+    queued_prefill_cost_per_block: float = 1.0
     # Fewest leading blocks some replica must hold for the request before the prefix cost is used;
     # with a shorter best match the request goes to the better of two random replicas.
     min_match_blocks: int = 1
