@@ -46,7 +46,7 @@ class RouterArgs(_Strict):
     prefill_cost_per_block: float = Field(1.0, ge=0)
     load_cost_per_request: float = Field(0.25, ge=0)
     transfer_cost_per_block: float = Field(0.25, ge=0)
-    queued_prefill_cost_per_block: float = Field(1.0, ge=0)
+    queued_prefill_cost_per_block: float = Field(0.25, ge=0)
     min_match_blocks: int = Field(1, ge=0)
     imbalance_abs: int = Field(8, ge=0)
     imbalance_rel: float = Field(2.0, ge=1)

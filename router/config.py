@@ -44,10 +44,11 @@ class RouterConfig:
     # Cost of each prompt block already queued for prefill on a replica (block-prefill units per
     # block). Requests count alike whatever their prompt; this term tells a replica that is busy
     # prefilling a long cold prompt (a new request waits behind it) from one that only decodes.
-    # Equal to prefill_cost_per_block: a block queued ahead of the request delays its first
-    # token as much as one of its own (the queue counts less the request's matched blocks,
-    # since the queued work may be the very prefix it would reuse).
-    queued_prefill_cost_per_block: float = 1.0
+    # Below prefill_cost_per_block although a block queued ahead delays the first token as much
+    # as one of the request's own: leaving a busy holder recomputes the prefix, which costs the
+    # cluster throughput for every later request too (the queue counts less the request's
+    # matched blocks, since the queued work may be the very prefix it would reuse).
+    queued_prefill_cost_per_block: float = 0.25
     # Fewest leading blocks some replica must hold for the request before the prefix cost is used;
     # with a shorter best match the request goes to the better of two random replicas.
     min_match_blocks: int = 1
