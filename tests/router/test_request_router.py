@@ -278,7 +278,7 @@ def test_kv_sharing_lets_an_idle_replica_import_a_busy_holders_prefix(kv_sharing
     """With KV sharing, a prefix cached on a busy replica costs only its transfer elsewhere."""
 
     async def body() -> None:
-        router = make_router(kv_sharing=kv_sharing, imbalance_abs=100)
+        router = make_router(kv_sharing=kv_sharing, imbalance_abs=100, load_cost_per_request=4.0)
         now = time.time()
         a = FakeReplica("a", report("a", H, at=now, running=5))
         b = FakeReplica("b", report("b", [], at=now))
