@@ -155,6 +155,8 @@ def test_a_sessions_next_turn_follows_its_first_choice() -> None:
             # Nothing shared with turn 1: only the session can bring the turn back.
             turn2 = pending(EngineRequest(block_hashes=[s * 10 + 2], session_id=f"s{s}"), f"t2-{s}")
             assert ids(await router.choose_replicas(replicas, turn2))[0][0] == homes[s]
+            # Turns of a conversation come one at a time: no turn waits on its replica.
+            router.on_request_completed(None, f"t2-{s}")
         assert router.policy.counters["session"] == 6
 
     run(body)
