@@ -44,15 +44,22 @@ class RouterArgs(_Strict):
     """Weights and thresholds of the prefix-aware routing cost (see ``router/``)."""
 
     prefill_cost_per_block: float = Field(1.0, ge=0)
-    load_cost_per_request: float = Field(4.0, ge=0)
+    load_cost_per_request: float = Field(0.25, ge=0)
     transfer_cost_per_block: float = Field(0.25, ge=0)
-    queued_prefill_cost_per_block: float = Field(0.5, ge=0)
+    queued_prefill_cost_per_block: float = Field(0.25, ge=0)
     min_match_blocks: int = Field(1, ge=0)
     imbalance_abs: int = Field(8, ge=0)
     imbalance_rel: float = Field(2.0, ge=1)
     # Seconds a routing decision counts as cached on its replica after the request completes,
     # unless a newer routing-stats report says otherwise.
     decision_ttl_s: float = Field(30.0, gt=0)
+    # Session affinity and hot-prefix replication (router.RouterConfig says what each means).
+    session_capacity: int = Field(65536, ge=0)
+    hot_prefix_rate: float = Field(1.0, ge=0)
+    hot_prefix_window_s: float = Field(10.0, gt=0)
+    hot_prefix_cost_per_block: float = Field(0.25, ge=0)
+    hot_prefix_max_replicas: int = Field(2, ge=0)
+    hot_prefix_capacity: int = Field(16384, ge=0)
     # How often Serve polls each engine replica's record_routing_stats().
     stats_period_s: float = Field(1.0, gt=0)
 

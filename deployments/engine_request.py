@@ -44,6 +44,9 @@ class EngineRequest:
     # W3C trace context (``traceparent``...) of the HTTP request's span, with tracing on
     # (deployments.tracing); the routing and engine replica spans are its children.
     trace_context: dict[str, str] | None = None
+    # The conversation it belongs to (x-session-id header, else the OpenAI ``user`` field): the
+    # request router sends a session's turns to its latest replica unless the cost says otherwise.
+    session_id: str | None = None
 
 
 @dataclass

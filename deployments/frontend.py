@@ -29,7 +29,7 @@ from deployments.generation import EngineBackend, Generation
 from deployments.health import CachedVerdict, Reports, cluster_verdict, health_verdict
 from deployments.http_errors import HTTPError, install_error_handlers
 from deployments.metrics import render
-from deployments.validation import GenerationJob, RequestValidator
+from deployments.validation import GenerationJob, RequestValidator, session_header, session_key
 
 logger = logging.getLogger("ray.serve")
 
@@ -146,15 +146,21 @@ class OpenAIFrontend:
     ) -> Response:
         self.check_auth(request)
         self.generation.check_capacity()
-        job = self._received(await self.validate(validate, await self.read_body(request)), kind)
+        job = self._received(
+            await self.validate(validate, await self.read_body(request)), kind, request
+        )
         if span is not None:
             ids = request_logging.current()
             model = self.validator.model_name
             tracing.describe_job(span, job, model, ids.x_request_id, self.replica_id)
         return await self.generation.run(job)
 
-    def _received(self, job: GenerationJob, kind: str) -> GenerationJob:
-        """Bind the response id for the request's log lines (and log the request if asked)."""
+    def _received(self, job: GenerationJob, kind: str, request: Request) -> GenerationJob:
+        """Bind the response id for the request's log lines (and log the request if asked); the
+        session header, when sent, names the request's session over the body's ``user``."""
+        header = session_header(request.headers)
+        if header:
+            job.session_id = session_key(header, None)
         request_logging.bind(response_id=job.builder.id)
         if self.args.enable_log_requests:
             logger.info(

@@ -153,6 +153,7 @@ class Generation:
                 cache_salt=job.cache_salt,
                 x_request_id=request_logging.current().x_request_id,
                 trace_context=carrier,
+                session_id=job.session_id,
             )
             for i, ids in enumerate(job.prompts)
         ]

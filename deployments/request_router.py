@@ -61,6 +61,18 @@ def request_directory_hashes(pending_request: PendingRequest | None) -> frozense
     return None if hashes is None else frozenset(hashes)
 
 
+def request_session(pending_request: PendingRequest | None) -> str | None:
+    """The conversation the request belongs to: the first argument's ``session_id`` attribute
+    or key, else the session id Serve put on the request's metadata (from its own
+    ``x-session-id`` header); None when neither is set."""
+    args = getattr(pending_request, "args", None)
+    session = _field(args[0], "session_id") if args else None
+    if not session:
+        metadata = getattr(pending_request, "metadata", None)
+        session = getattr(metadata, "session_id", None)
+    return str(session) if session else None
+
+
 def _request_id(pending_request: PendingRequest) -> str | None:
     metadata = getattr(pending_request, "metadata", None)
     request_id = getattr(metadata, "internal_request_id", None)
@@ -137,7 +149,8 @@ class PolicyRequestRouter(RequestRouter):
         if directory is None and self._kv_sharing:
             directory = _HeldAnywhere(self._policy, list(by_key), now)
         hashes = request_block_hashes(pending_request)
-        ranks = self._policy.rank(list(by_key), hashes, now, directory)
+        session = request_session(pending_request)
+        ranks = self._policy.rank(list(by_key), hashes, now, directory, session=session)
         ranked = [[by_key[key] for key in rank] for rank in ranks if rank]
         # Replicas believed full go last: Serve would probe each one before moving on.
         full = [all(self._believed_full(r) for r in rank) for rank in ranked]
@@ -149,7 +162,7 @@ class PolicyRequestRouter(RequestRouter):
             if tracer is not None:
                 # Before the choice is held: that counts the prompt as cached there.
                 self._trace(tracer, started_ns, pending_request, ranked[0][0], hashes, directory)
-            self._hold_first_choice(pending_request, ranked[0][0], hashes, now)
+            self._hold_first_choice(pending_request, ranked[0][0], hashes, session, now)
         return ranked
 
     def _trace(
@@ -202,9 +215,11 @@ class PolicyRequestRouter(RequestRouter):
         pending_request: PendingRequest,
         replica: RunningReplica,
         hashes: list[int],
+        session: str | None,
         now: float,
     ) -> None:
-        """Count the request on its first choice until Serve reports where it went."""
+        """Count the request on its first choice until Serve reports where it went (a session
+        is recorded there too: with HAProxy in front, the first choice is where it goes)."""
         for request_id, ranked_at in list(self._tentative.items()):
             if now - ranked_at < _TENTATIVE_TTL_S:
                 break  # insertion order is ranking order
@@ -213,7 +228,9 @@ class PolicyRequestRouter(RequestRouter):
         request_id = _request_id(pending_request)
         if request_id is None:
             return
-        self._policy.on_request_routed(request_id, replica_key(replica.replica_id), hashes, now)
+        self._policy.on_request_routed(
+            request_id, replica_key(replica.replica_id), hashes, now, session=session
+        )
         self._tentative.pop(request_id, None)
         self._tentative[request_id] = now
 
@@ -273,7 +290,11 @@ class PolicyRequestRouter(RequestRouter):
             self._tentative.pop(request_id, None)
             if self._policy.state.in_flight(request_id) != key:  # not where it was ranked first
                 self._policy.on_request_routed(
-                    request_id, key, request_block_hashes(pending_request), now
+                    request_id,
+                    key,
+                    request_block_hashes(pending_request),
+                    now,
+                    session=request_session(pending_request),
                 )
             queue_len = self._queue_len.pop(key, None)
             if queue_len is not None:

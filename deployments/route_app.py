@@ -25,7 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from deployments.config import AppArgs
 from deployments.http_errors import HTTPError
 from deployments.kv_namespace import NamespaceSource, prompt_block_hashes
-from deployments.validation import RequestValidator
+from deployments.validation import RequestValidator, session_header, session_key
 from engine.block_hash import hash_key
 
 logger = logging.getLogger("ray.serve")
@@ -33,9 +33,11 @@ logger = logging.getLogger("ray.serve")
 
 @dataclass
 class RoutingKey:
-    """What the request router reads of a request (by attribute): the prompt's block hashes."""
+    """What the request router reads of a request (by attribute): the prompt's block hashes and
+    the conversation it belongs to."""
 
     block_hashes: list[int] = field(default_factory=list)
+    session_id: str | None = None
 
 
 route_app = FastAPI(docs_url=None, redoc_url=None)
@@ -52,26 +54,32 @@ class ReplicaChooser:
         self.hash_key = hash_key(self.args.kv_hash_key)
         self.namespace = NamespaceSource(lambda: engine.kv_namespace.remote())
 
-    def routing_key(self, body: bytes, namespace: str | None) -> RoutingKey:
-        """The prompt's block hashes (the first prompt's, for several); none when the body
-        cannot be read."""
+    def routing_key(
+        self, body: bytes, namespace: str | None, session_header: str | None = None
+    ) -> RoutingKey:
+        """The prompt's block hashes (the first prompt's, for several; none when the body cannot
+        be read) and its session: the session header HAProxy forwards, else the body's
+        ``user``."""
+        session = session_key(session_header, None)
         try:
             data = json.loads(body) if body else None
             if not isinstance(data, dict):
-                return RoutingKey()
+                return RoutingKey(session_id=session)
             job = (
                 self.validator.chat(data) if "messages" in data else self.validator.completion(data)
             )
         except (HTTPError, ValueError, RecursionError):
-            return RoutingKey()
+            return RoutingKey(session_id=session)
         hashes = prompt_block_hashes(
             job.prompts[0], self.args.engine.block_size, namespace, self.hash_key, job.cache_salt
         )
-        return RoutingKey(hashes)
+        return RoutingKey(hashes, session or job.session_id)
 
     @route_app.post("/internal/route")
     async def route(self, request: Request) -> dict[str, Any]:
-        key = self.routing_key(await request.body(), await self.namespace.get())
+        key = self.routing_key(
+            await request.body(), await self.namespace.get(), session_header(request.headers)
+        )
         try:
             async with self.engine.choose_replica(key, _reserve=False) as selection:
                 replica = selection._replica

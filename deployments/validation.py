@@ -11,8 +11,10 @@ admission limit it would never fit under.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +50,9 @@ class GenerationJob:
     priority: int
     cache_salt: str | None = None
     deadline_ms: float | None = None
+    # The routing key of the conversation (``session_key``): the x-session-id header once the
+    # frontend has read it, else the body's ``user``.
+    session_id: str | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -314,4 +319,34 @@ class RequestValidator:
             priority=req.priority,
             cache_salt=req.cache_salt,
             deadline_ms=req.deadline_ms,
+            session_id=session_key(None, req.user),
         )
+
+
+# Longer session keys are routed by their digest: the router keeps one entry per session.
+MAX_SESSION_KEY_CHARS = 128
+
+
+def session_header(headers: Mapping[str, str]) -> str | None:
+    """Ray Serve's session header (``x-session-id`` unless ``RAY_SERVE_SESSION_ID_HEADER_KEY``
+    renames it; ``-`` and ``_`` alike, as Serve's HAProxy and LLM router match it)."""
+    try:
+        from ray.serve._private.http_util import session_id_from_headers
+    except ImportError:  # pragma: no cover - private API; the documented default then
+        return next(
+            (v for k, v in headers.items() if k.lower().replace("_", "-") == "x-session-id"),
+            None,
+        )
+    return session_id_from_headers(dict(headers.items()))
+
+
+def session_key(header: str | None, user: str | None) -> str | None:
+    """The conversation a request belongs to: the session header, else the OpenAI ``user``
+    field; None for neither (or empty). Keys past ``MAX_SESSION_KEY_CHARS`` become their
+    SHA-256, so that a client cannot grow the router's session table by sending long ones."""
+    key = header or user
+    if not key:
+        return None
+    if len(key) > MAX_SESSION_KEY_CHARS:
+        return "sha256:" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    return key

@@ -32,8 +32,9 @@ class RouterConfig:
     # Raising it makes cache hits worth more relative to load: stickier routing.
     prefill_cost_per_block: float = 1.0
     # Cost of each request already running or waiting on a replica (block-prefill units per
-    # request): how long one request ahead of us delays ours. Raising it spreads load sooner.
-    load_cost_per_request: float = 4.0
+    # request), beyond its queued prefill (counted below): each running sequence lengthens
+    # every step of the replica a little. Raising it spreads load sooner, at the cost of hits.
+    load_cost_per_request: float = 0.25
     # Cost of importing one block that another replica published to the shared KV directory
     # instead of recomputing it (block-prefill units). Only used when the caller says which hashes
     # the directory holds. Below prefill_cost_per_block, a directory hit counts as a cheap miss.
@@ -43,9 +44,11 @@ class RouterConfig:
     # Cost of each prompt block already queued for prefill on a replica (block-prefill units per
     # block). Requests count alike whatever their prompt; this term tells a replica that is busy
     # prefilling a long cold prompt (a new request waits behind it) from one that only decodes.
-    # Below prefill_cost_per_block, because the queued work may be the very prefix this request
-    # would reuse, and piling onto it still saves compute.
-    queued_prefill_cost_per_block: float = 0.5
+    # Below prefill_cost_per_block although a block queued ahead delays the first token as much
+    # as one of the request's own: leaving a busy holder recomputes the prefix, which costs the
+    # cluster throughput for every later request too (the queue counts less the request's
+    # matched blocks, since the queued work may be the very prefix it would reuse).
+    queued_prefill_cost_per_block: float = 0.25
     # Fewest leading blocks some replica must hold for the request before the prefix cost is used;
     # with a shorter best match the request goes to the better of two random replicas.
     min_match_blocks: int = 1
@@ -58,6 +61,23 @@ class RouterConfig:
     # replica after the request completes, when no newer report confirms or refutes them. While the
     # request is in flight its blocks stay pinned on the replica, so they count regardless.
     decision_ttl_s: float = 30.0
+    # Session affinity: how many sessions (x-session-id header or the OpenAI ``user`` field) the
+    # router remembers, least recently routed forgotten first. A session's latest replica is
+    # priced as holding the session's previous prompt, and wins ties. 0 turns it off.
+    session_capacity: int = 65536
+    # Hot-prefix replication. A prefix (the longest match any candidate holds) asked for more than
+    # hot_prefix_rate times per second (a decaying count over hot_prefix_window_s) wants one more
+    # holder per hot_prefix_rate of rate, up to hot_prefix_max_replicas. While it has fewer,
+    # replicas that lack it pay hot_prefix_cost_per_block (not prefill_cost_per_block) for its
+    # blocks: its prefill is paid once and then shared by every later request, so a loaded
+    # holder hands some of its requests to a second replica, which then holds the prefix too.
+    # hot_prefix_rate 0 turns replication off.
+    hot_prefix_rate: float = 1.0
+    hot_prefix_window_s: float = 10.0
+    hot_prefix_cost_per_block: float = 0.25
+    hot_prefix_max_replicas: int = 2
+    # How many prefixes' rates are tracked (least recently asked for forgotten first).
+    hot_prefix_capacity: int = 16384
 
     def __post_init__(self) -> None:
         for name in (
@@ -65,9 +85,18 @@ class RouterConfig:
             "load_cost_per_request",
             "transfer_cost_per_block",
             "queued_prefill_cost_per_block",
+            "hot_prefix_rate",
+            "hot_prefix_cost_per_block",
         ):
             _check_float(name, getattr(self, name), minimum=0.0)
-        for name in ("min_match_blocks", "imbalance_abs"):
+        _check_float("hot_prefix_window_s", self.hot_prefix_window_s, minimum=0.0, exclusive=True)
+        for name in (
+            "min_match_blocks",
+            "imbalance_abs",
+            "session_capacity",
+            "hot_prefix_max_replicas",
+            "hot_prefix_capacity",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")

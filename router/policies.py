@@ -15,6 +15,7 @@ from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from router.affinity import PrefixHeat, SessionTable
 from router.config import RouterConfig
 from router.state import ClusterState, ReplicaView
 
@@ -57,10 +58,17 @@ class RoutingPolicy(ABC):
         self.state.observe_load(replica_id, num_requests, now)
 
     def on_request_routed(
-        self, request_id: str, replica_id: str, block_hashes: Sequence[int], now: float
+        self,
+        request_id: str,
+        replica_id: str,
+        block_hashes: Sequence[int],
+        now: float,
+        *,
+        session: str | None = None,
     ) -> None:
-        """This router sent ``request_id`` to ``replica_id``: count its load and treat its prompt
-        blocks as cached there (see ``ReplicaView`` for how long)."""
+        """This router sent ``request_id`` (a turn of ``session``, if given) to ``replica_id``:
+        count its load and treat its prompt blocks as cached there (see ``ReplicaView`` for how
+        long)."""
         self.state.on_request_routed(request_id, replica_id, block_hashes, now)
 
     def on_request_completed(self, request_id: str, now: float) -> None:
@@ -79,10 +87,13 @@ class RoutingPolicy(ABC):
         block_hashes: Sequence[int],
         now: float,
         directory_hashes: Container[int] | None = None,
+        *,
+        session: str | None = None,
     ) -> Ranks:
         """Rank ``candidates`` for a request whose prompt has chained block hashes
         ``block_hashes`` (may be empty: no prefix information). ``directory_hashes``, if given,
-        holds (at least) those of the request's hashes the shared KV directory can supply."""
+        holds (at least) those of the request's hashes the shared KV directory can supply.
+        ``session`` names the conversation the request belongs to, if the client said."""
 
     def _count(self, kind: str) -> None:
         self.counters[kind] = self.counters.get(kind, 0) + 1
@@ -121,6 +132,8 @@ class RoundRobinPolicy(RoutingPolicy):
         block_hashes: Sequence[int],
         now: float,
         directory_hashes: Container[int] | None = None,
+        *,
+        session: str | None = None,
     ) -> Ranks:
         ordered = sorted(candidates)
         if not ordered:
@@ -142,6 +155,8 @@ class PowerOfTwoPolicy(RoutingPolicy):
         block_hashes: Sequence[int],
         now: float,
         directory_hashes: Container[int] | None = None,
+        *,
+        session: str | None = None,
     ) -> Ranks:
         self._count("power_of_two")
         return self._power_of_two(candidates)
@@ -152,23 +167,39 @@ class CandidateScore:
     """How the prefix-aware cost came out for one candidate (all counts in blocks / requests)."""
 
     replica_id: str
-    matched_blocks: int  # leading blocks cached on the replica (reports + own decisions)
+    matched_blocks: int  # leading blocks believed cached on the replica (reports, own decisions,
+    # and for the session's replica its previous prompt)
     transfer_blocks: int  # following blocks the KV directory can supply
-    uncached_blocks: int  # the rest, to be prefilled
+    uncached_blocks: int  # the rest, to be prefilled (hot-prefix blocks not included)
     load: int  # estimated requests running or waiting
     queued_prefill_blocks: int  # estimated prompt blocks awaiting prefill ahead of this request
     cost: float
     hot: bool  # load tripped the imbalance guard
+    replicate_blocks: int = 0  # blocks of a hot prefix this replica would be a new holder of
+    session: bool = False  # the replica the request's session was last sent to
+
+
+# Indices into the per-candidate term tuples (the hot path builds no objects).
+_MATCHED, _LOAD, _QUEUED, _COST, _HOT, _REPLICATE, _SESSION = 1, 4, 5, 6, 7, 8, 9
 
 
 class PrefixAwarePolicy(RoutingPolicy):
     """Least cost first, where cost = prefill work the replica's cache does not cover + load.
 
-    * If no candidate holds at least ``min_match_blocks`` leading blocks of the request, there is
-      no affinity to exploit: power of two choices on the load terms of the cost (counted as
-      ``fallback``). With ``min_match_blocks=0`` this never happens and a request without matches
-      goes to the candidate with the least load cost (join the shortest queue).
-    * Otherwise candidates are ranked by ``CandidateScore.cost``; ties are broken at random.
+    * If no candidate holds at least ``min_match_blocks`` leading blocks of the request and the
+      request's session has no known replica among the candidates, there is no affinity to
+      exploit: power of two choices on the load terms of the cost (counted as ``fallback``).
+      With ``min_match_blocks=0`` this never happens and a request without matches goes to the
+      candidate with the least load cost (join the shortest queue).
+    * Otherwise candidates are ranked by ``CandidateScore.cost``; ties go to the session's
+      replica, then at random.
+    * Session affinity: the replica a session's latest turn went to is priced as holding that
+      turn's prompt blocks (the router cannot see the answer it cached, nor a prompt whose early
+      tokens changed), so a turn returns there unless load outweighs the reuse (``session``
+      counts first choices that are the session's replica).
+    * Hot prefixes: when the longest match is asked for often (``PrefixHeat``) and fewer replicas
+      hold it than its rate wants, non-holders price its blocks at ``hot_prefix_cost_per_block``,
+      so a loaded holder gives requests to a second replica (counted as ``replicate``).
     * Imbalance guard: candidates whose load exceeds the least-loaded candidate's by more than
       ``imbalance_abs`` and by a factor above ``imbalance_rel`` are ranked after all others, so a
       hot prefix cannot pile onto its holder while other replicas idle (counted as ``guarded``
@@ -177,17 +208,40 @@ class PrefixAwarePolicy(RoutingPolicy):
 
     name = "prefix_aware"
 
+    def __init__(self, config: RouterConfig | None = None, *, rng: random.Random | None = None):
+        super().__init__(config, rng=rng)
+        cfg = self.config
+        self.sessions = SessionTable(cfg.session_capacity)
+        self.heat = PrefixHeat(cfg.hot_prefix_capacity, cfg.hot_prefix_window_s)
+
+    def on_request_routed(
+        self,
+        request_id: str,
+        replica_id: str,
+        block_hashes: Sequence[int],
+        now: float,
+        *,
+        session: str | None = None,
+    ) -> None:
+        super().on_request_routed(request_id, replica_id, block_hashes, now)
+        if session is not None:
+            self.sessions.record(session, replica_id, len(block_hashes))
+
     def score(
         self,
         candidates: Sequence[str],
         block_hashes: Sequence[int],
         now: float,
         directory_hashes: Container[int] | None = None,
+        *,
+        session: str | None = None,
     ) -> list[CandidateScore]:
-        """The cost terms of every candidate, in candidate order."""
+        """The cost terms of every candidate, in candidate order (counts no request as heat)."""
         return [
             CandidateScore(*terms)
-            for terms in self._cost_terms(candidates, block_hashes, now, directory_hashes)
+            for terms in self._cost_terms(
+                candidates, block_hashes, now, directory_hashes, session, count=False
+            )
         ]
 
     def rank(
@@ -196,25 +250,40 @@ class PrefixAwarePolicy(RoutingPolicy):
         block_hashes: Sequence[int],
         now: float,
         directory_hashes: Container[int] | None = None,
+        *,
+        session: str | None = None,
     ) -> Ranks:
         if not candidates:
             return []
-        terms = self._cost_terms(candidates, block_hashes, now, directory_hashes)
-        if max(t[1] for t in terms) < self.config.min_match_blocks:
+        terms = self._cost_terms(
+            candidates, block_hashes, now, directory_hashes, session, count=True
+        )
+        has_session = any(t[_SESSION] for t in terms)
+        if not has_session and max(t[_MATCHED] for t in terms) < self.config.min_match_blocks:
             self._count("fallback")
             cfg = self.config
             loads = [
-                cfg.load_cost_per_request * t[4] + cfg.queued_prefill_cost_per_block * t[5]
+                cfg.load_cost_per_request * t[_LOAD]
+                + cfg.queued_prefill_cost_per_block * t[_QUEUED]
                 for t in terms
             ]
             return self._power_of_two(candidates, loads)
         rand = self.rng.random
-        # (hot, cost, tie-break): the guard first, then the cost, ties at random.
-        keyed = [(t[7], t[6], rand(), t[0]) for t in terms]
+        # (hot, cost, not the session's, tie-break): the guard first, then the cost, then the
+        # session, ties at random.
+        keyed = [(t[_HOT], t[_COST], not t[_SESSION], rand(), i) for i, t in enumerate(terms)]
         keyed.sort()
-        unguarded_best = min(keyed, key=lambda k: k[1:3])
-        self._count("guarded" if unguarded_best is not keyed[0] else "prefix")
-        return [[k[3]] for k in keyed]
+        unguarded_best = min(keyed, key=lambda k: k[1:4])
+        best = terms[keyed[0][4]]
+        if unguarded_best is not keyed[0]:
+            self._count("guarded")
+        elif best[_REPLICATE]:
+            self._count("replicate")
+        elif best[_SESSION]:
+            self._count("session")
+        else:
+            self._count("prefix")
+        return [[terms[k[4]][0]] for k in keyed]
 
     def _cost_terms(
         self,
@@ -222,8 +291,12 @@ class PrefixAwarePolicy(RoutingPolicy):
         block_hashes: Sequence[int],
         now: float,
         directory_hashes: Container[int] | None,
-    ) -> list[tuple[str, int, int, int, int, int, float, bool]]:
-        """``CandidateScore`` fields per candidate, as tuples (the hot path builds no objects)."""
+        session: str | None,
+        *,
+        count: bool,
+    ) -> list[tuple[str, int, int, int, int, int, float, bool, int, bool]]:
+        """``CandidateScore`` fields per candidate, as tuples. With ``count``, the request is
+        counted towards its longest match's heat."""
         cfg = self.config
         ttl = cfg.decision_ttl_s
         n = len(block_hashes)
@@ -243,11 +316,20 @@ class PrefixAwarePolicy(RoutingPolicy):
             cfg.load_cost_per_request,
             cfg.queued_prefill_cost_per_block,
         )
+        matches = [v.matched_blocks(block_hashes, now, ttl) for v in views]
+        turn = self.sessions.get(session)
+        session_replica = None if turn is None else turn.replica_id
+        replicate_to = self._replication_depth(block_hashes, matches, now, count)
+        replicate_w = min(prefill, cfg.hot_prefix_cost_per_block)
         terms = []
-        for view, load in zip(views, loads, strict=True):
-            matched = view.matched_blocks(block_hashes, now, ttl)
+        for view, load, matched in zip(views, loads, matches, strict=True):
+            is_session = view.replica_id == session_replica
+            if is_session:
+                assert turn is not None
+                matched = max(matched, min(n, turn.prompt_blocks))
             transfer = 0 if run_end is None else run_end[matched] - matched
-            uncached = n - matched - transfer
+            replicate = max(0, replicate_to - matched - transfer)
+            uncached = n - matched - transfer - replicate
             # A replica that measured its import and prefill speeds prices a transferred block
             # by them; the configured weight stands in until it has.
             ratio = view.transfer_cost_ratio
@@ -255,11 +337,43 @@ class PrefixAwarePolicy(RoutingPolicy):
             # Queued prefill may be this request's own prefix (a burst sharing a new prompt): the
             # matched blocks are not counted against the replica, or bursts would scatter.
             queued = max(0, view.estimated_prefill_blocks - matched)
-            cost = prefill * uncached + transfer_w * transfer + load_w * load + queued_w * queued
+            cost = (
+                prefill * uncached
+                + transfer_w * transfer
+                + replicate_w * replicate
+                + load_w * load
+                + queued_w * queued
+            )
             terms.append(
-                (view.replica_id, matched, transfer, uncached, load, queued, cost, load > hot_above)
+                (
+                    view.replica_id,
+                    matched,
+                    transfer,
+                    uncached,
+                    load,
+                    queued,
+                    cost,
+                    load > hot_above,
+                    replicate,
+                    is_session,
+                )
             )
         return terms
+
+    def _replication_depth(
+        self, block_hashes: Sequence[int], matches: Sequence[int], now: float, count: bool
+    ) -> int:
+        """How many leading blocks non-holders may price as a hot prefix's (0: none): the longest
+        match, when it is hot and held by fewer replicas than its rate wants."""
+        cfg = self.config
+        depth = max(matches, default=0)
+        if cfg.hot_prefix_rate <= 0 or depth < max(1, cfg.min_match_blocks):
+            return 0
+        key = block_hashes[depth - 1]
+        rate = self.heat.touch(key, now) if count else self.heat.rate(key, now)
+        wanted = min(cfg.hot_prefix_max_replicas, 1 + int(rate // cfg.hot_prefix_rate))
+        holders = sum(1 for m in matches if m >= depth)
+        return depth if holders < wanted else 0
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {

@@ -222,6 +222,8 @@ class _SimPort(RoutingPolicy):
         block_hashes: Sequence[int],
         now: float,
         directory_hashes: Container[int] | None = None,
+        *,
+        session: str | None = None,
     ) -> Ranks:
         return self.rank_prompt(
             candidates, block_hashes, len(block_hashes) * self.block_tokens, now
@@ -303,7 +305,13 @@ class RayPrefixAffinityPolicy(_SimPort):
         return [[r] for r in first] + [[r] for r in self._by_queue(candidates) if r not in taken]
 
     def on_request_routed(
-        self, request_id: str, replica_id: str, block_hashes: Sequence[int], now: float
+        self,
+        request_id: str,
+        replica_id: str,
+        block_hashes: Sequence[int],
+        now: float,
+        *,
+        session: str | None = None,
     ) -> None:
         super().on_request_routed(request_id, replica_id, block_hashes, now)
         self.tree.insert(block_hashes, replica_id, now)

@@ -14,6 +14,8 @@ from router import PrefixAwarePolicy, RouterConfig, make_policy
 from tests.router.support import prompt_hashes, random_tokens, report
 
 H = list(range(1000, 1040))  # 40 chained-looking block hashes of one long prompt
+# The load weights the arithmetic in some tests below uses (whatever the defaults are).
+WEIGHTS = {"load_cost_per_request": 4.0, "queued_prefill_cost_per_block": 0.5}
 
 
 def prefix_policy(seed: int = 0, **options: object) -> PrefixAwarePolicy:
@@ -65,7 +67,7 @@ def test_prefix_semantics_stop_at_the_first_missing_block() -> None:
 def test_spill_over_when_waiting_costs_more_than_recomputing() -> None:
     # Guard off: the cost alone must move the request. 6 cached blocks save 6 units of prefill;
     # each queued request costs 4, so 1 request on the holder keeps it, 2 push the request away.
-    policy = prefix_policy(imbalance_abs=1000)
+    policy = prefix_policy(imbalance_abs=1000, **WEIGHTS)
     hashes = H[:6]
     policy.apply_report("a", report("a", hashes, at=1.0, running=1), now=1.0)
     policy.apply_report("b", report("b", [], at=1.0), now=1.0)
@@ -75,7 +77,7 @@ def test_spill_over_when_waiting_costs_more_than_recomputing() -> None:
 
 
 def test_spill_over_counts_requests_routed_since_the_last_report() -> None:
-    policy = prefix_policy(imbalance_abs=1000)
+    policy = prefix_policy(imbalance_abs=1000, **WEIGHTS)
     hashes = H[:10]
     policy.apply_report("a", report("a", hashes, at=1.0), now=1.0)
     policy.apply_report("b", report("b", [], at=1.0), now=1.0)
@@ -112,7 +114,7 @@ def test_a_cold_request_avoids_a_replica_busy_prefilling_a_long_prompt() -> None
 
 
 def test_queued_prefill_of_the_requests_own_prefix_is_not_held_against_the_holder() -> None:
-    policy = prefix_policy()
+    policy = prefix_policy(**WEIGHTS)
     policy.apply_report("a", report("a", [], at=1.0), now=1.0)
     policy.apply_report("b", report("b", [], at=1.0), now=1.0)
     policy.on_request_routed("q1", "a", H, now=2.0)  # 40 blocks to prefill on "a"
@@ -206,7 +208,7 @@ def test_min_match_zero_joins_the_shortest_queue() -> None:
 
 
 def test_directory_blocks_cost_a_transfer_instead_of_a_prefill() -> None:
-    policy = prefix_policy(imbalance_abs=1000)
+    policy = prefix_policy(imbalance_abs=1000, **WEIGHTS)
     hashes = H[:20]
     policy.apply_report("a", report("a", hashes[:10], at=1.0, running=2), now=1.0)
     policy.apply_report("b", report("b", [], at=1.0), now=1.0)

@@ -24,6 +24,7 @@ from deployments.request_router import (
     request_block_hashes,
     request_directory_hashes,
     request_router_config,
+    request_session,
 )
 from tests.router.support import report
 
@@ -52,13 +53,16 @@ class EngineRequest:
 
     prompt_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    session_id: str | None = None
 
 
-def pending(arg: Any, request_id: str = "r1") -> PendingRequest:
+def pending(arg: Any, request_id: str = "r1", session_id: str = "") -> PendingRequest:
     return PendingRequest(
         args=[arg],
         kwargs={},
-        metadata=RequestMetadata(request_id=request_id, internal_request_id=request_id),
+        metadata=RequestMetadata(
+            request_id=request_id, internal_request_id=request_id, session_id=session_id
+        ),
     )
 
 
@@ -118,6 +122,42 @@ def test_block_hashes_are_read_by_attribute_or_key() -> None:
         directory = request_directory_hashes(pending({"directory_block_hashes": [4]}))
         assert directory == frozenset({4})
         assert request_directory_hashes(pending(EngineRequest())) is None
+
+    run(body)
+
+
+def test_the_session_is_read_from_the_request_or_from_serve() -> None:
+    async def body() -> None:
+        assert request_session(pending(EngineRequest(session_id="s1"))) == "s1"
+        assert request_session(pending({"session_id": "s2"})) == "s2"
+        # Serve's own session id (its x-session-id header), when the request names none.
+        assert request_session(pending(EngineRequest(), session_id="s3")) == "s3"
+        assert request_session(pending(EngineRequest(session_id="s1"), session_id="s3")) == "s1"
+        assert request_session(pending(EngineRequest())) is None
+        assert request_session(None) is None
+
+    run(body)
+
+
+def test_a_sessions_next_turn_follows_its_first_choice() -> None:
+    async def body() -> None:
+        router = make_router()
+        now = time.time()
+        replicas = [FakeReplica(r, report(r, [], at=now)) for r in ("a", "b", "c", "d")]
+        router.update_replicas(replicas)
+        await settle()
+        homes = {}
+        for s in range(6):
+            turn1 = pending(EngineRequest(block_hashes=[s * 10 + 1], session_id=f"s{s}"), f"t1-{s}")
+            homes[s] = ids(await router.choose_replicas(replicas, turn1))[0][0]
+            router.on_request_completed(None, f"t1-{s}")  # never routed by Serve: ranked only
+        for s in range(6):
+            # Nothing shared with turn 1: only the session can bring the turn back.
+            turn2 = pending(EngineRequest(block_hashes=[s * 10 + 2], session_id=f"s{s}"), f"t2-{s}")
+            assert ids(await router.choose_replicas(replicas, turn2))[0][0] == homes[s]
+            # Turns of a conversation come one at a time: no turn waits on its replica.
+            router.on_request_completed(None, f"t2-{s}")
+        assert router.policy.counters["session"] == 6
 
     run(body)
 
@@ -240,7 +280,7 @@ def test_kv_sharing_lets_an_idle_replica_import_a_busy_holders_prefix(kv_sharing
     """With KV sharing, a prefix cached on a busy replica costs only its transfer elsewhere."""
 
     async def body() -> None:
-        router = make_router(kv_sharing=kv_sharing, imbalance_abs=100)
+        router = make_router(kv_sharing=kv_sharing, imbalance_abs=100, load_cost_per_request=4.0)
         now = time.time()
         a = FakeReplica("a", report("a", H, at=now, running=5))
         b = FakeReplica("b", report("b", [], at=now))
