@@ -41,6 +41,9 @@ class EngineRequest:
     kv_namespace: str | None = None
     # The client's x-request-id header, for the replica's log lines (deployments.request_logging).
     x_request_id: str | None = None
+    # The HTTP request this belongs to, the same for each of its prompts: the engine's fair
+    # share (engine.fair_share) caps a group's sequences per step. None: this request's choices.
+    group_id: str | None = None
 
 
 @dataclass

@@ -135,6 +135,7 @@ class Generation:
                 n=job.n,
                 cache_salt=job.cache_salt,
                 x_request_id=request_logging.current().x_request_id,
+                group_id=rid,
             )
             for i, ids in enumerate(job.prompts)
         ]
