@@ -68,22 +68,30 @@ def test_the_cap_lifts_when_the_other_group_finishes():
 
 
 def test_rotation_gives_every_sequence_of_a_capped_group_progress():
-    """Six sequences, two places a step: each waits at most a few steps for its next token, and
-    their output counts never drift apart by more than one token."""
+    """Six sequences, two places a step: each waits at most a few steps for its next token and,
+    once all have started, they advance at the same pace (within one token)."""
     sim = Sim(max_seqs_per_group=2)
     wide = [f"wide-{k}" for k in range(6)]
     for rid in wide:
         add(sim, rid, "wide", max_tokens=200)
     add(sim, "other", "other", max_tokens=200)
     last_progress = dict.fromkeys(wide, 0)
+
+    def outputs() -> list[int]:
+        return [sim.sched.requests[rid].num_output_tokens for rid in wide]
+
     for step in range(1, 61):
         for r, _ in sim.step().scheduled:
             last_progress[r.request_id] = step
         if step > 3:  # admission takes the first steps
             for rid in wide:
                 assert step - last_progress[rid] < 6, (rid, step, last_progress)
-    outputs = [sim.sched.requests[rid].num_output_tokens for rid in wide]
-    assert min(outputs) > 0 and max(outputs) - min(outputs) <= 1, outputs
+        if step == 12:
+            started = outputs()
+            assert min(started) > 0 and sim.sched.num_waiting == 0
+    gained = [after - before for after, before in zip(outputs(), started, strict=True)]
+    assert sum(gained) == 2 * (60 - 12)
+    assert max(gained) - min(gained) <= 1, gained
 
 
 def test_waiting_members_of_a_capped_group_are_admitted_in_turn_and_others_go_past():
@@ -99,6 +107,21 @@ def test_waiting_members_of_a_capped_group_are_admitted_in_turn_and_others_go_pa
     # Two slots for the waiting ones (one stays with the running ones): both join next step.
     second = per_group(sim.step())
     assert second["wide"] == 3 and sim.sched.num_waiting == 0
+
+
+@pytest.mark.parametrize("cap", [None, 1])
+def test_a_wide_groups_prefill_chunks_leave_room_for_another_group(cap):
+    """Without the cap the wide group's prompts fill the token budget and the later request
+    waits for a step; with it, the later request's prompt is computed in the first step."""
+    sim = Sim(max_num_batched_tokens=12, max_seqs_per_group=cap)
+    for k in range(4):
+        add(sim, f"wide-{k}", "wide", prompt_len=6)
+    add(sim, "late", None, prompt_len=6)
+    first = {r.request_id: n for r, n in sim.step().scheduled}
+    if cap is None:
+        assert first == {"wide-0": 6, "wide-1": 6}
+    else:
+        assert first == {"wide-0": 6, "late": 6}
 
 
 def test_groups_of_one_sequence_schedule_exactly_as_without_the_cap():
