@@ -19,10 +19,10 @@ Each ``schedule()`` builds one step:
 
 Prefill chunks and decodes share a step, so a long prompt never stalls running streams.
 
-With ``max_seqs_per_group``, 1. and 2. give each client request's group of sequences at most
-that many places in a step while other groups have work (``engine.fair_share``): the running
-sequences it leaves out sit the step out with their blocks, and its waiting sequences are passed
-over like those behind an in-flight prefix.
+With ``max_seqs_per_group``, the running pass (1.) and admission (2.) give each client request's
+group of sequences at most that many places in a step while other groups have work
+(``engine.fair_share``): the running sequences it leaves out sit the step out with their blocks,
+and its waiting sequences are passed over like those behind an in-flight prefix (3.).
 
 Order: ``EngineConfig.scheduling_policy`` names a tuple of scorers (``engine.scheduling_policy``)
 that orders both queues and picks preemption victims (the largest key). Admission leaves the
