@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -114,11 +115,12 @@ async def innocent(client: httpx.AsyncClient, config: ClientConfig, tokens: int)
 
 async def measure(
     client: httpx.AsyncClient, config: ClientConfig, condition: str, args: argparse.Namespace
-) -> tuple[list[float], int]:
-    """The innocent stream's gaps under ``condition``, and the load's chunks meanwhile."""
+) -> tuple[list[float], int, float]:
+    """The innocent stream's gaps under ``condition``, the load's chunks meanwhile, and how long
+    the innocent stream took (the load's chunks over it are the load's own rate beside it)."""
     tokens = args.tokens
     if condition == "alone":
-        return await innocent(client, config, tokens), 0
+        return await innocent(client, config, tokens), 0, 0.0
     # Long enough to outlast the innocent stream even when each step serves all its sequences.
     body = wide_body(
         config.model,
@@ -139,10 +141,12 @@ async def measure(
         if not started.is_set():
             raise RuntimeError("the load request produced nothing within 300 s")
         waiter.cancel()
+        chunks_before, started_at = counts.get("chunks", 0), time.perf_counter()
         gaps = await innocent(client, config, tokens)
+        elapsed = time.perf_counter() - started_at
         if load.done():
             raise RuntimeError("the load ended before the innocent stream did; raise max_tokens")
-        return gaps, counts.get("chunks", 0)
+        return gaps, counts.get("chunks", 0) - chunks_before, elapsed
     finally:
         load.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -180,11 +184,13 @@ async def run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         await innocent(client, config, 8)  # warm-up
         gaps: dict[str, list[float]] = {c: [] for c in CONDITIONS}
         load_chunks: dict[str, int] = {c: 0 for c in CONDITIONS}
+        load_seconds: dict[str, float] = {c: 0.0 for c in CONDITIONS}
         for round_ in range(args.rounds):
             for condition in CONDITIONS:
-                got, chunks = await measure(client, config, condition, args)
+                got, chunks, seconds = await measure(client, config, condition, args)
                 gaps[condition] += got
                 load_chunks[condition] += chunks
+                load_seconds[condition] += seconds
                 print(
                     f"  round {round_ + 1} {condition:5s}: median gap "
                     f"{statistics.median(got) * 1e3:7.1f} ms over {len(got)} gaps",
@@ -203,7 +209,12 @@ async def run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         "ratio_wide": round(medians["wide"] / medians["alone"], 3),
         "ratio_worst": round(medians["worst"] / medians["alone"], 3),
         "worst_vs_wide": round(medians["worst"] / medians["wide"], 3),
+        # The load's chunks while the innocent stream ran, and their rate: the load's throughput
+        # beside it (a chunk is one choice's new tokens: one token unless its deltas queued up).
         "load_chunks": load_chunks,
+        "load_chunks_per_s": {
+            c: round(load_chunks[c] / load_seconds[c], 1) for c in CONDITIONS if load_seconds[c]
+        },
     }
 
 
@@ -261,6 +272,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"  beside the worst request       {m['worst']:8.1f} ms  "
         f"({summary['ratio_worst']:.2f}x; {summary['worst_vs_wide']:.2f}x the plain ones)"
     )
+    rates = summary["load_chunks_per_s"]
+    print(f"load chunks/s beside it: plain {rates['wide']:.1f}, worst {rates['worst']:.1f}")
     print(json.dumps(summary))
     return summary
 

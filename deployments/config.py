@@ -32,6 +32,7 @@ class EngineArgs(_Strict):
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
     reject_late_requests: bool = False
+    max_seqs_per_group: int | None = Field(None, gt=0)
     watermark: float = Field(0.01, ge=0, lt=1)
     adaptive_watermark: bool = True
     attention_backend: Literal["auto", "torch", "flash"] = "auto"

@@ -253,6 +253,8 @@ class EngineReplica:
                 cache_salt=req.cache_salt,
                 # The other choices find the imported blocks in the prefix cache.
                 kv_transfer=fetched if k == 0 else None,
+                # Without one from the HTTP side, the choices of this request form the group.
+                group_id=req.group_id or req.request_id,
             )
             for k in range(req.n)
         ]

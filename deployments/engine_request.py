@@ -47,6 +47,9 @@ class EngineRequest:
     # The conversation it belongs to (x-session-id header, else the OpenAI ``user`` field): the
     # request router sends a session's turns to its latest replica unless the cost says otherwise.
     session_id: str | None = None
+    # The HTTP request this belongs to, the same for each of its prompts: the engine's fair
+    # share (engine.fair_share) caps a group's sequences per step. None: this request's choices.
+    group_id: str | None = None
 
 
 @dataclass

@@ -154,6 +154,7 @@ class Generation:
                 x_request_id=request_logging.current().x_request_id,
                 trace_context=carrier,
                 session_id=job.session_id,
+                group_id=rid,
             )
             for i, ids in enumerate(job.prompts)
         ]

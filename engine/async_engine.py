@@ -230,6 +230,7 @@ class AsyncEngine:
         coalesce_s: float = 0.0,
         cache_salt: str | None = None,
         kv_transfer: Any = None,
+        group_id: str | None = None,
     ) -> AsyncIterator[list[RequestDelta]]:
         """Stream the request's deltas, in batches. Raises ValueError for invalid input before
         anything is queued; leaving the iteration early (client gone, cancellation) aborts the
@@ -248,6 +249,7 @@ class AsyncEngine:
             priority=priority,
             deadline_ms=deadline_ms,
             cache_salt=cache_salt,
+            group_id=group_id,
         )
         # For the engine's KV connector, which takes it when the request is added.
         request.kv_transfer = kv_transfer

@@ -37,6 +37,10 @@ class EngineConfig:
     # A request still waiting for its first token when its deadline_ms has passed ends with
     # finish_reason "rejected" (HTTP 429) instead of being served late.
     reject_late_requests: bool = False
+    # Fair share (engine.fair_share): while sequences of more than one client request are in the
+    # scheduler, one step schedules at most this many of one request's sequences (prompts x n),
+    # rotating which; a request alone is never capped. None: off.
+    max_seqs_per_group: int | None = None
     # Fraction of KV blocks that admission of a new request leaves free, so that running requests
     # can keep decoding without immediate preemption.
     watermark: float = 0.01
@@ -64,7 +68,7 @@ class EngineConfig:
             raise ValueError("model: a model name, directory or .gguf path is required")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _check_positive_int(name, getattr(self, name))
-        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
+        for name in ("num_kv_blocks", "max_model_len", "num_threads", "max_seqs_per_group"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         if not _is_number(self.kv_cache_memory_gb) or self.kv_cache_memory_gb <= 0:

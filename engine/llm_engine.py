@@ -253,6 +253,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         deadline_ms: float | None = None,
         cache_salt: str | None = None,
+        group_id: str | None = None,
     ) -> Request:
         """Queue a request; no model work happens here."""
         request = self.make_request(
@@ -263,6 +264,7 @@ class LLMEngine:
             arrival_time=arrival_time,
             deadline_ms=deadline_ms,
             cache_salt=cache_salt,
+            group_id=group_id,
         )
         self.add_prepared_request(request)
         return request
@@ -327,10 +329,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         deadline_ms: float | None = None,
         cache_salt: str | None = None,
+        group_id: str | None = None,
     ) -> Request:
         """Validate and build a request without touching engine state (thread-safe). Requests
         with different ``cache_salt`` share no cached block (``engine.block_hash``).
-        ``deadline_ms``: when its first token is due, counted from ``arrival_time``."""
+        ``deadline_ms``: when its first token is due, counted from ``arrival_time``.
+        ``group_id``: the client request it belongs to (``engine.fair_share``; None: its own)."""
         params = params or SamplingParams()
         if deadline_ms is not None and not (
             isinstance(deadline_ms, int | float)
@@ -360,6 +364,7 @@ class LLMEngine:
             detokenizer=detok,
             block_size=self.config.block_size,
             hash_root=self.hash_root(cache_salt),
+            group_id=group_id,
         )
         if params.seed is not None:
             request.generator = torch.Generator().manual_seed(params.seed)

@@ -86,8 +86,12 @@ class Request:
         detokenizer: IncrementalDetokenizer | None = None,
         block_size: int = 16,
         hash_root: bytes | None = None,
+        group_id: str | None = None,
     ) -> None:
         self.request_id = request_id
+        # The client request this sequence belongs to (every prompt x n choice of one HTTP
+        # request shares it; engine.fair_share); None: a group of its own.
+        self.group_id: str = request_id if group_id is None else group_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -19,6 +19,11 @@ Each ``schedule()`` builds one step:
 
 Prefill chunks and decodes share a step, so a long prompt never stalls running streams.
 
+With ``max_seqs_per_group``, the running pass (1.) and admission (2.) give each client request's
+group of sequences at most that many places in a step while other groups have work
+(``engine.fair_share``): the running sequences it leaves out sit the step out with their blocks,
+and its waiting sequences are passed over like those behind an in-flight prefix (3.).
+
 Order: ``EngineConfig.scheduling_policy`` names a tuple of scorers (``engine.scheduling_policy``)
 that orders both queues and picks preemption victims (the largest key). Admission leaves the
 adaptive watermark's reserve free (``engine.admission_watermark``). With
@@ -36,6 +41,7 @@ from dataclasses import dataclass, field
 
 from engine.admission_watermark import AdmissionWatermark
 from engine.config import EngineConfig
+from engine.fair_share import FairShare
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduling_policy import policy_scorers
@@ -129,12 +135,14 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        self.fair_share = FairShare(config.max_seqs_per_group)
 
     # -- queue management ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
         self.requests[request.request_id] = request
+        self.fair_share.on_add(request)
         self.waiting.push(request)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
@@ -150,6 +158,7 @@ class Scheduler:
         self.kv.free(request)
         self.watermark.on_release(self.kv.pool.num_free_blocks - free_before)
         self.requests.pop(request.request_id, None)
+        self.fair_share.on_finish(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -210,12 +219,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.config.reject_late_requests and self.waiting:
             self._reject_late(out)
+        share = self.fair_share
+        share.begin_step(self.running, self.waiting)
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or not share.runs(request):
                 i += 1
                 continue
             while not self.kv.allocate_slots(request, num_new):
@@ -226,6 +237,7 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append((request, num_new))
+                share.scheduled(request)
                 budget -= num_new
                 i += 1
                 continue
@@ -242,6 +254,9 @@ class Scheduler:
         deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if not share.admits(request):
+                deferred.append(self.waiting.pop())
+                continue
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             next_block = num_cached // self.kv.block_size
             if (
@@ -266,6 +281,7 @@ class Scheduler:
                 out.first_scheduled.append(request)
             bisect.insort(self.running, request, key=self.waiting.key)
             out.scheduled.append((request, num_new))
+            share.scheduled(request)
             budget -= num_new
             if inflight is not None:
                 inflight.update(request.block_hashes[next_block:])

@@ -32,6 +32,8 @@ from engine.config import EngineConfig
         ("attention_backend", "xformers"),
         ("num_threads", 0),
         ("num_threads", 1.5),
+        ("max_seqs_per_group", 0),
+        ("max_seqs_per_group", 2.0),
         ("seed", "zero"),
         ("hash_salt", 3),
         ("tokenizer", 3),

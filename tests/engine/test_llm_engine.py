@@ -157,7 +157,8 @@ PREFIXES = [[], tokens(9, 100), tokens(17, 101)]
 
 
 class EngineMachine(RuleBasedStateMachine):
-    """Random add / step / abort sequences on a small KV pool (preemption is frequent).
+    """Random add / step / abort sequences on a small KV pool (preemption is frequent), with or
+    without a per-group cap on a step's sequences (``max_seqs_per_group``).
 
     Every finished request's tokens must equal what a roomy engine without prefix caching or
     preemption generates for it: preemption, prefix hits and aborts must never corrupt KV."""
@@ -179,8 +180,9 @@ class EngineMachine(RuleBasedStateMachine):
     @initialize(
         policy=st.sampled_from(["fcfs", "priority", "deadline", "shortest_prompt"]),
         caching=st.booleans(),
+        group_cap=st.sampled_from([None, 1, 2]),
     )
-    def start(self, policy: str, caching: bool) -> None:
+    def start(self, policy: str, caching: bool, group_cap: int | None) -> None:
         self.engine = make_engine(
             self.model_dir,
             block_size=4,
@@ -189,6 +191,7 @@ class EngineMachine(RuleBasedStateMachine):
             max_num_batched_tokens=24,
             scheduling_policy=policy,
             enable_prefix_caching=caching,
+            max_seqs_per_group=group_cap,
         )
 
     @rule(
@@ -200,22 +203,28 @@ class EngineMachine(RuleBasedStateMachine):
                 st.integers(1, 12),
                 st.integers(0, 3),
                 st.sampled_from([None, 0.001, 50.0, 1e6]),
+                st.sampled_from([None, "g0", "g1"]),
             ),
             min_size=1,
             max_size=4,
         ),
     )
     def add(
-        self, specs: list[tuple[int, list[int], int, int, float | None]]
+        self, specs: list[tuple[int, list[int], int, int, float | None, str | None]]
     ) -> MultipleResults[str]:
         rids = []
-        for prefix, suffix, max_tokens, priority, deadline_ms in specs:
+        for prefix, suffix, max_tokens, priority, deadline_ms, group in specs:
             rid = f"r{self.next_id}"
             self.next_id += 1
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
             self.prompts[rid] = PREFIXES[prefix] + suffix
             self.engine.add_request(
-                rid, self.prompts[rid], params, priority=priority, deadline_ms=deadline_ms
+                rid,
+                self.prompts[rid],
+                params,
+                priority=priority,
+                deadline_ms=deadline_ms,
+                group_id=group,
             )
             self.added[rid] = params
             self.outputs[rid] = []
