@@ -38,6 +38,7 @@ class SimRequest:
     __slots__ = (
         "spec",
         "request_id",
+        "group_id",
         "num_prompt_tokens",
         "output_len",
         "num_output_tokens",
@@ -59,6 +60,8 @@ class SimRequest:
     def __init__(self, spec: SimRequestSpec, block_tokens: int) -> None:
         self.spec = spec
         self.request_id = f"r{spec.index}"
+        # Its own fair-share group (engine.fair_share): a trace request is one client request.
+        self.group_id = self.request_id
         self.num_prompt_tokens = spec.prompt_len
         self.output_len = spec.output_len
         self.num_output_tokens = 0
