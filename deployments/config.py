@@ -35,6 +35,7 @@ class EngineArgs(_Strict):
     max_seqs_per_group: int | None = Field(None, gt=0)
     watermark: float = Field(0.01, ge=0, lt=1)
     adaptive_watermark: bool = True
+    async_scheduling: bool = False
     attention_backend: Literal["auto", "torch", "flash"] = "auto"
     # None: as many threads as the replica's num_cpus.
     num_threads: int | None = Field(None, gt=0)

@@ -52,6 +52,9 @@ class EngineConfig:
     # Pack linear weights once for oneDNN on CPU (bf16 always; fp32 for decode-sized batches,
     # at the cost of a second copy of the weights); falls back to F.linear.
     prepack_weights: bool = True
+    # Plan step N+1 (schedule, build its inputs) on a second thread while step N's forward runs
+    # (engine.step_pipeline); outputs are the same as without it.
+    async_scheduling: bool = False
     seed: int = 0
     # Salt of the chained block hashes; defaults to the resolved model name, so that two models'
     # hashes never collide in a router or a shared KV directory.
@@ -77,7 +80,12 @@ class EngineConfig:
             )
         if not _is_number(self.watermark) or not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark: must be in [0, 1), got {self.watermark!r}")
-        for name in ("enable_prefix_caching", "reject_late_requests", "adaptive_watermark"):
+        for name in (
+            "enable_prefix_caching",
+            "reject_late_requests",
+            "adaptive_watermark",
+            "async_scheduling",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a boolean, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

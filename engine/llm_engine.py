@@ -31,12 +31,13 @@ from engine.model.loader import (
     resolve_model,
     resolve_tokenizer,
 )
-from engine.model_runner import ModelRunner, ScheduledSeq
+from engine.model_runner import ModelRunner, ScheduledSeq, StepOutput
 from engine.outputs import RequestDelta
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.step_pipeline import StepPipeline
 from engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -196,6 +197,7 @@ class LLMEngine:
         self.stats = EngineStats(num_blocks=num_blocks)
         # An external KV store (engine.kv_connector); set before the engine thread starts.
         self.kv_connector: KVConnector | None = None
+        self._pipeline = StepPipeline(self) if config.async_scheduling else None
         self._update_gauges()
         logger.info(
             "engine ready: %s (%s %s, %s, forward=%s, attention=%s), %d KV blocks of %d tokens",
@@ -385,12 +387,29 @@ class LLMEngine:
 
     # -- one iteration ---------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        """Schedule, run and process one step; returns its deltas. With
+        ``async_scheduling`` the next step is planned while this one's forward runs
+        (``engine.step_pipeline``)."""
+        if self._pipeline is not None:
+            return self._pipeline.step()
         out = self.scheduler.schedule()
-        self.stats.num_preemptions = self.scheduler.num_preemptions_total
-        rejected = [self._rejected_delta(r) for r in out.rejected]
+        rejected = self._begin_step(out)
         if out.is_empty:
             self._update_gauges()
             return rejected
+        started = time.perf_counter()
+        step = self.runner.execute(self.scheduled_seqs(out))
+        self._observe_prefill(out, started)
+        self.scheduler.update_from_output(out)
+        return rejected + self._finish_step(step)
+
+    def scheduled_seqs(self, out: SchedulerOutput) -> list[ScheduledSeq]:
+        return [ScheduledSeq(r, n, self.kv.block_ids(r.request_id)) for r, n in out.scheduled]
+
+    def _begin_step(self, out: SchedulerOutput) -> list[RequestDelta]:
+        """Account for a step about to run; returns the deltas of the requests it rejected."""
+        self.stats.num_preemptions = self.scheduler.num_preemptions_total
+        rejected = [self._rejected_delta(r) for r in out.rejected]
         scheduled_at = time.monotonic()
         for request in out.first_scheduled:
             request.scheduled_time = scheduled_at
@@ -398,17 +417,20 @@ class LLMEngine:
             remote = min(request.num_remote_cached_tokens, request.num_cached_tokens)
             self.stats.cache_hit_tokens_local += request.num_cached_tokens - remote
             self.stats.cache_hit_tokens_remote += remote
-        seqs = [ScheduledSeq(r, n, self.kv.block_ids(r.request_id)) for r, n in out.scheduled]
-        started = time.perf_counter()
-        step = self.runner.execute(seqs)
+        return rejected
+
+    def _observe_prefill(self, out: SchedulerOutput, started: float) -> None:
         prefill_tokens = sum(n for _, n in out.scheduled if n > 1)
         if prefill_tokens >= PREFILL_SAMPLE_MIN_TOKENS:
             # Decodes sharing the step are few rows next to a chunk of this size.
             self.stats.observe_prefill(time.perf_counter() - started, prefill_tokens)
+
+    def _finish_step(self, step: StepOutput) -> list[RequestDelta]:
+        """Append the step's sampled tokens, stop what must stop, and build its deltas (the
+        scheduler has already counted the step's progress)."""
         sampled, result = step.sampled, step.sampler
         for request, entries in step.prompt_logprobs:
             request.prompt_logprobs.extend(entries)
-        self.scheduler.update_from_output(out)
         self.stats.num_steps += 1
 
         now = time.monotonic()
@@ -456,7 +478,7 @@ class LLMEngine:
             )
         self.stats.generation_tokens += len(deltas)
         self._update_gauges()
-        return rejected + deltas
+        return deltas
 
     def _rejected_delta(self, request: Request) -> RequestDelta:
         """The one and final delta of a request the scheduler rejected: no token."""

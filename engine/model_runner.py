@@ -7,7 +7,7 @@ business and arrives here as explicit block id lists.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,20 @@ class BatchInputs:
     logits_indices: torch.Tensor
     sample_requests: list[Request]
     prompt_rows: list[PromptRows]
+    # (row of ``input_ids``, request, position): input tokens still being sampled when the batch
+    # was prepared (``Request.num_inflight_tokens``); ``fill_pending`` writes them in.
+    pending: list[tuple[int, Request, int]] = field(default_factory=list)
+
+    def fill_pending(self) -> None:
+        """Write the tokens that were in flight at ``prepare`` into ``input_ids``; each must
+        have been appended to its request since."""
+        if not self.pending:
+            return
+        dev = self.input_ids.device
+        rows = torch.tensor([row for row, _, _ in self.pending], device=dev)
+        tokens = torch.tensor([r.all_token_ids[pos] for _, r, pos in self.pending], device=dev)
+        self.input_ids[rows] = tokens
+        self.pending = []
 
 
 @dataclass
@@ -87,7 +101,10 @@ class ModelRunner:
         ]
 
     def prepare(self, seqs: list[ScheduledSeq]) -> BatchInputs:
-        """Order decodes first and build every per-step tensor once."""
+        """Order decodes first and build every per-step tensor once. A request's newest tokens
+        may still be in flight (``Request.num_inflight_tokens``): their rows hold a placeholder
+        until ``BatchInputs.fill_pending``. Touches no engine state, so it may run on another
+        thread while a forward runs; its tensor ops are too small to start an OpenMP team."""
         seqs = sorted(seqs, key=lambda s: s.num_new_tokens != 1)
         num_decodes = sum(1 for s in seqs if s.num_new_tokens == 1)
         input_ids: list[int] = []
@@ -97,6 +114,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
         prompt_rows: list[PromptRows] = []
+        pending: list[tuple[int, Request, int]] = []
         max_blocks = 1
         for i, s in enumerate(seqs):
             r = s.request
@@ -115,12 +133,16 @@ class ModelRunner:
                             r.prompt_token_ids[first + 1 : last + 1],
                         )
                     )
-            input_ids.extend(r.all_token_ids[start:end])
+            known = r.all_token_ids[start:end]
+            for pos in range(start + len(known), end):
+                pending.append((len(input_ids) + pos - start, r, pos))
+            input_ids.extend(known)
+            input_ids.extend([0] * (end - start - len(known)))
             starts.append(start)
             qsl.append(qsl[-1] + s.num_new_tokens)
             seq_lens.append(end)
             max_blocks = max(max_blocks, len(s.block_ids))
-            if end >= r.num_tokens:
+            if end >= r.num_tokens + r.num_inflight_tokens:
                 sample_rows.append(i)
                 sample_requests.append(r)
         # One tensor from padded lists: a tensor per row costs ~10 us each at 64 rows.
@@ -160,13 +182,19 @@ class ModelRunner:
             logits_indices=logits_indices.to(dev),
             sample_requests=sample_requests,
             prompt_rows=prompt_rows,
+            pending=pending,
         )
 
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> StepOutput:
         """Run one step: the model over every scheduled token, then the sampler over the rows
         that end a request's known tokens."""
-        batch = self.prepare(seqs)
+        return self.run(self.prepare(seqs))
+
+    @torch.inference_mode()
+    def run(self, batch: BatchInputs) -> StepOutput:
+        """``execute`` of a batch already prepared (every pending token filled in)."""
+        assert not batch.pending, "fill_pending() first"
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         prompt_logprobs = [(p.request, self._prompt_logprobs(hidden, p)) for p in batch.prompt_rows]
         if not batch.sample_requests:

@@ -5,6 +5,8 @@
        │                    │  └──preempt───> PREEMPTED ──schedule──> RUNNING
        └────────────────────┴── abort (from any unfinished state) ──> FINISHED_ABORTED
     WAITING / PREEMPTED, before the first token, past the deadline ──> FINISHED_REJECTED
+    PREEMPTED ──stop/eos/max_tokens──> FINISHED_STOPPED / FINISHED_LENGTH: a token sampled by a
+       step that was running when the next step's plan preempted it (engine.step_pipeline)
 
 ``num_computed_tokens`` is the single source of truth for progress: the first
 ``num_computed_tokens`` of ``all_token_ids`` have their KV in the request's blocks. A preempted
@@ -60,6 +62,8 @@ _ALLOWED = {
     },
     RequestStatus.PREEMPTED: {
         RequestStatus.RUNNING,
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
         RequestStatus.FINISHED_ABORTED,
         RequestStatus.FINISHED_REJECTED,
     },
@@ -108,6 +112,9 @@ class Request:
         self.detokenizer = detokenizer
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens a running step is sampling for this request, not yet in ``all_token_ids``: while
+        # a forward runs, the next step is scheduled as if they were known (engine.step_pipeline).
+        self.num_inflight_tokens = 0
         # Prompt tokens served from the prefix cache at first scheduling (-1: not yet scheduled).
         self.num_cached_tokens = -1
         self.num_remote_cached_tokens = 0

@@ -202,7 +202,9 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.push(request)
 
-    def _reject_late(self, out: SchedulerOutput) -> None:
+    def reject_late(self, out: SchedulerOutput) -> None:
+        """Finish as rejected the waiting requests whose deadline passed before a first token
+        (``reject_late_requests``), into ``out.rejected``."""
         now = self.clock()
         late = [
             r
@@ -214,18 +216,21 @@ class Scheduler:
             self.finish_request(request, RequestStatus.FINISHED_REJECTED)
             out.rejected.append(request)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, reject_late: bool = True) -> SchedulerOutput:
+        """The next step. ``reject_late=False`` leaves late requests waiting: a step planned
+        ahead rejects when it runs (``engine.step_pipeline``)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        if self.config.reject_late_requests and self.waiting:
-            self._reject_late(out)
+        if reject_late and self.config.reject_late_requests and self.waiting:
+            self.reject_late(out)
         share = self.fair_share
         share.begin_step(self.running, self.waiting)
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            known = request.num_tokens + request.num_inflight_tokens
+            num_new = min(known - request.num_computed_tokens, budget)
             if num_new <= 0 or not share.runs(request):
                 i += 1
                 continue

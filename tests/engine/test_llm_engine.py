@@ -158,7 +158,8 @@ PREFIXES = [[], tokens(9, 100), tokens(17, 101)]
 
 class EngineMachine(RuleBasedStateMachine):
     """Random add / step / abort sequences on a small KV pool (preemption is frequent), with or
-    without a per-group cap on a step's sequences (``max_seqs_per_group``).
+    without a per-group cap on a step's sequences (``max_seqs_per_group``), with the serial step
+    loop or the overlapped one (``async_scheduling``).
 
     Every finished request's tokens must equal what a roomy engine without prefix caching or
     preemption generates for it: preemption, prefix hits and aborts must never corrupt KV."""
@@ -181,8 +182,9 @@ class EngineMachine(RuleBasedStateMachine):
         policy=st.sampled_from(["fcfs", "priority", "deadline", "shortest_prompt"]),
         caching=st.booleans(),
         group_cap=st.sampled_from([None, 1, 2]),
+        overlap=st.booleans(),
     )
-    def start(self, policy: str, caching: bool, group_cap: int | None) -> None:
+    def start(self, policy: str, caching: bool, group_cap: int | None, overlap: bool) -> None:
         self.engine = make_engine(
             self.model_dir,
             block_size=4,
@@ -192,6 +194,7 @@ class EngineMachine(RuleBasedStateMachine):
             scheduling_policy=policy,
             enable_prefix_caching=caching,
             max_seqs_per_group=group_cap,
+            async_scheduling=overlap,
         )
 
     @rule(

@@ -23,6 +23,9 @@ LEGAL = {
     # A deadline missed before the first token (the scheduler's early rejection).
     (S.WAITING, S.FINISHED_REJECTED),
     (S.PREEMPTED, S.FINISHED_REJECTED),
+    # Its last token arrived after an overlapped step's plan preempted it.
+    (S.PREEMPTED, S.FINISHED_STOPPED),
+    (S.PREEMPTED, S.FINISHED_LENGTH),
 }
 # A path from WAITING to each state, through legal transitions only.
 PATHS = {
