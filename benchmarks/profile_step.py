@@ -3,8 +3,15 @@
     python -m benchmarks.profile_step --dtype bfloat16 --batch 64 --context 160
 
 Admits ``--batch`` requests of ``--context`` tokens, runs their prefills, then times ``--steps``
-all-decode steps (wall clock per step: scheduling + model + sampling + bookkeeping) and prints
-torch.profiler's table of the costliest ops over those steps.
+all-decode steps (wall clock per step: scheduling + model + sampling + bookkeeping), prints where
+each step's time went (``--no-breakdown`` to skip) and torch.profiler's table of the costliest ops
+over those steps.
+
+The breakdown times each phase by wrapping the engine's own calls (schedule, prepare, forward,
+logits, sample, outputs: appending tokens, stop checks, detokenization, deltas) and says which
+thread spent it. "engine thread, other" is the step's wall time on the engine thread outside
+those phases; with ``--engine-opt async_scheduling=true`` schedule and prepare move to the
+planning thread, where they overlap the forward.
 
 ``--idle-team`` first runs a parallel op on another thread that then stays alive, as a serving
 process's event loop would after building the engine there: its OpenMP team outnumbers the
@@ -18,12 +25,15 @@ import random
 import statistics
 import threading
 import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.offline import parse_engine_opts
-from engine import LLM, SamplingParams
+from engine import LLM, LLMEngine, SamplingParams
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-fused", action="store_true", help="reference elementwise ops")
     ap.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--idle-team", action="store_true", help="leave a second OpenMP team alive")
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the per-phase timing")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -74,12 +85,72 @@ def main(argv: list[str] | None = None) -> None:
         f"{med * 1e3:.1f} ms -> {args.batch / med:.0f} tok/s; cpu best {min(cpu) * 1e3:.1f} ms, "
         f"median {statistics.median(cpu) * 1e3:.1f} ms (threads={torch.get_num_threads()})"
     )
+    if not args.no_breakdown:
+        print_breakdown(engine, args.steps)
     if args.no_profile:
         return
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             engine.step()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+PHASES = ("schedule", "prepare", "forward", "logits", "sample", "outputs")
+
+
+def print_breakdown(engine: LLMEngine, steps: int) -> None:
+    """Median ms per step of each phase over ``steps`` steps, by the thread that ran it."""
+    engine_thread = threading.get_ident()
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                where = "engine" if threading.get_ident() == engine_thread else "planner"
+                spent[f"{where} thread, {name}"] += time.perf_counter() - t0
+
+        return call
+
+    targets = {
+        "schedule": engine.scheduler,
+        "prepare": engine.runner,
+        "forward": engine.model,
+        "logits": engine.model,
+        "sample": engine.runner,
+        "outputs": engine,
+    }
+    attrs = {"forward": "forward", "logits": "compute_logits", "sample": "sampler"}
+    attrs |= {"outputs": "_finish_step"}
+    # Instance attributes (the sampler) to put back; methods are unshadowed by deleting.
+    saved = {}
+    for phase in PHASES:
+        obj, attr = targets[phase], attrs.get(phase, phase)
+        if attr in vars(obj):
+            saved[phase] = vars(obj)[attr]
+        setattr(obj, attr, timed(phase, getattr(obj, attr)))
+    per_step: dict[str, list[float]] = defaultdict(list)
+    for _ in range(steps):
+        spent.clear()
+        t0 = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - t0
+        on_engine = sum(v for k, v in spent.items() if k.startswith("engine"))
+        spent["engine thread, other"] = wall - on_engine
+        spent["step wall"] = wall
+        for k, v in spent.items():
+            per_step[k].append(v)
+    for phase in PHASES:
+        obj, attr = targets[phase], attrs.get(phase, phase)
+        if phase in saved:
+            setattr(obj, attr, saved[phase])
+        else:
+            delattr(obj, attr)
+    print("step breakdown, median ms over", steps, "steps:")
+    for k in sorted(per_step, key=lambda k: (k == "step wall", k)):
+        print(f"  {k:<28} {statistics.median(per_step[k]) * 1e3:8.2f}")
 
 
 def _start_idle_team() -> None:

@@ -152,7 +152,11 @@ class ModelRunner:
 
         num_tokens = qsl[-1]
         qlens = torch.tensor([s.num_new_tokens for s in seqs], dtype=torch.int64)
-        seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), qlens)
+        # Not torch.repeat_interleave: it always enters an OpenMP parallel region, which on a
+        # planning thread would start a second team (engine.step_pipeline).
+        seq_idx = torch.tensor(
+            [i for i, s in enumerate(seqs) for _ in range(s.num_new_tokens)], dtype=torch.int64
+        )
         qsl_t = torch.tensor(qsl, dtype=torch.int64)
         positions = torch.arange(num_tokens) - qsl_t[:-1][seq_idx] + torch.tensor(starts)[seq_idx]
         slots = tables[seq_idx, positions // self.block_size] * self.block_size + (
