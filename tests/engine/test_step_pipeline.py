@@ -4,9 +4,12 @@ and leaves every block free at the end."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 from collections import defaultdict
 
 import pytest
+import torch
 
 from engine import LLMEngine, SamplingParams
 from engine.outputs import RequestDelta
@@ -146,3 +149,26 @@ def test_stop_strings_and_text_match_the_serial_loop(tiny_llama_with_tokenizer):
         ids, text, reason = results[True][rid]
         assert reason == "stop" and stop not in text
         assert free_text[rid].startswith(text)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_preparing_a_batch_off_the_engine_thread_starts_no_openmp_team(tiny_llama):
+    """The planning thread builds batches; a parallel op there would start a second OpenMP team,
+    and once teams outnumber the CPUs libgomp stops spinning at every barrier of the forward."""
+    engine = make_engine(tiny_llama, max_num_batched_tokens=64)
+    for rid, prompt, params in workload():
+        engine.add_request(rid, prompt, params)
+    engine.step()  # decodes and a prefill chunk in the next batch
+    out = engine.scheduler.schedule()
+    assert any(n == 1 for _, n in out.scheduled) and any(n > 1 for _, n in out.scheduled)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the package's fixture runs on one
+    try:
+        torch.ones(256, 256) @ torch.ones(256, 256)  # this thread's team exists
+        threads = len(os.listdir("/proc/self/task"))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pool.submit(engine.runner.prepare, engine.scheduled_seqs(out)).result()
+            # The planning thread itself, alive, and nothing else.
+            assert len(os.listdir("/proc/self/task")) == threads + 1
+    finally:
+        torch.set_num_threads(before)
