@@ -53,7 +53,8 @@ class EngineConfig:
     # at the cost of a second copy of the weights); falls back to F.linear.
     prepack_weights: bool = True
     # Plan step N+1 (schedule, build its inputs) on a second thread while step N's forward runs
-    # (engine.step_pipeline); outputs are the same as without it.
+    # (engine.step_pipeline); outputs are the same as without it. Off: on a 2-core CPU, whose
+    # forward already keeps both cores busy, it measured no faster (docs/performance.md).
     async_scheduling: bool = False
     seed: int = 0
     # Salt of the chained block hashes; defaults to the resolved model name, so that two models'

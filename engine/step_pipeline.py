@@ -32,6 +32,11 @@ on this thread. Greedy outputs are those of the serial loop. Every feature overl
 mask, penalties and seeds are read at sampling time, after the previous step's tokens are
 appended; prompt logprobs are placed by ``num_computed_tokens``, which the plan sees advanced.
 
+Where it pays: bookkeeping is a small part of a CPU step whose forward keeps every core busy, so
+there the planner mostly competes with the forward for the cores and the GIL; it pays where the
+forward leaves the CPU idle (a device that computes while the engine thread waits for it).
+Measured: docs/performance.md.
+
 Threads: the planner's tensor ops (``ModelRunner.prepare``) are too small to enter an OpenMP
 parallel region, so it starts no OpenMP team of its own (see ``engine.async_engine``).
 """

@@ -38,6 +38,7 @@ from engine.config import EngineConfig
         ("hash_salt", 3),
         ("tokenizer", 3),
         ("enable_prefix_caching", "yes"),
+        ("async_scheduling", 1),
     ],
 )
 def test_bad_values_name_their_field(field, value):
