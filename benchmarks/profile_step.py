@@ -123,7 +123,7 @@ def print_breakdown(engine: LLMEngine, steps: int) -> None:
         "outputs": engine,
     }
     attrs = {"forward": "forward", "logits": "compute_logits", "sample": "sampler"}
-    attrs |= {"outputs": "_finish_step"}
+    attrs |= {"outputs": "finish_step"}
     # Instance attributes (the sampler) to put back; methods are unshadowed by deleting.
     saved = {}
     for phase in PHASES:

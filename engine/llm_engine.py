@@ -393,21 +393,21 @@ class LLMEngine:
         if self._pipeline is not None:
             return self._pipeline.step()
         out = self.scheduler.schedule()
-        rejected = self._begin_step(out)
+        rejected = self.begin_step(out)
         if out.is_empty:
-            self._update_gauges()
             return rejected
         started = time.perf_counter()
         step = self.runner.execute(self.scheduled_seqs(out))
-        self._observe_prefill(out, started)
+        self.observe_prefill(out, started)
         self.scheduler.update_from_output(out)
-        return rejected + self._finish_step(step)
+        return rejected + self.finish_step(step)
 
     def scheduled_seqs(self, out: SchedulerOutput) -> list[ScheduledSeq]:
         return [ScheduledSeq(r, n, self.kv.block_ids(r.request_id)) for r, n in out.scheduled]
 
-    def _begin_step(self, out: SchedulerOutput) -> list[RequestDelta]:
-        """Account for a step about to run; returns the deltas of the requests it rejected."""
+    def begin_step(self, out: SchedulerOutput) -> list[RequestDelta]:
+        """Account for a step about to run (``engine.step_pipeline`` calls this and the other
+        phases too); returns the deltas of the requests it rejected."""
         self.stats.num_preemptions = self.scheduler.num_preemptions_total
         rejected = [self._rejected_delta(r) for r in out.rejected]
         scheduled_at = time.monotonic()
@@ -417,15 +417,17 @@ class LLMEngine:
             remote = min(request.num_remote_cached_tokens, request.num_cached_tokens)
             self.stats.cache_hit_tokens_local += request.num_cached_tokens - remote
             self.stats.cache_hit_tokens_remote += remote
+        if out.is_empty:
+            self._update_gauges()  # finish_step will not
         return rejected
 
-    def _observe_prefill(self, out: SchedulerOutput, started: float) -> None:
+    def observe_prefill(self, out: SchedulerOutput, started: float) -> None:
         prefill_tokens = sum(n for _, n in out.scheduled if n > 1)
         if prefill_tokens >= PREFILL_SAMPLE_MIN_TOKENS:
             # Decodes sharing the step are few rows next to a chunk of this size.
             self.stats.observe_prefill(time.perf_counter() - started, prefill_tokens)
 
-    def _finish_step(self, step: StepOutput) -> list[RequestDelta]:
+    def finish_step(self, step: StepOutput) -> list[RequestDelta]:
         """Append the step's sampled tokens, stop what must stop, and build its deltas (the
         scheduler has already counted the step's progress)."""
         sampled, result = step.sampled, step.sampler

@@ -46,14 +46,28 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from engine.model_runner import BatchInputs
+from engine.config import EngineConfig
+from engine.model_runner import BatchInputs, ModelRunner, ScheduledSeq, StepOutput
 from engine.outputs import RequestDelta
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerOutput
 
-if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+
+class StepHost(Protocol):
+    """The phases of a step the pipeline drives (``LLMEngine``'s)."""
+
+    config: EngineConfig
+    scheduler: Scheduler
+    runner: ModelRunner
+
+    def scheduled_seqs(self, out: SchedulerOutput) -> list[ScheduledSeq]: ...
+
+    def begin_step(self, out: SchedulerOutput) -> list[RequestDelta]: ...
+
+    def observe_prefill(self, out: SchedulerOutput, started: float) -> None: ...
+
+    def finish_step(self, step: StepOutput) -> list[RequestDelta]: ...
 
 
 @dataclass
@@ -69,7 +83,7 @@ class StepPipeline:
     engine's one thread, as ``LLMEngine.step`` is; the planning thread runs only inside
     ``step()``."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: StepHost) -> None:
         self.engine = engine
         self._planner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-plan")
         self._next: StepPlan | None = None
@@ -84,9 +98,8 @@ class StepPipeline:
             # Now, not when planned: a request is rejected in the step that reports it.
             scheduler.reject_late(plan.out)
         out = plan.out
-        rejected = engine._begin_step(out)
+        rejected = engine.begin_step(out)
         if out.is_empty:
-            engine._update_gauges()
             return rejected
         batch = plan.batch or engine.runner.prepare(engine.scheduled_seqs(out))
         batch.fill_pending()
@@ -97,13 +110,13 @@ class StepPipeline:
         try:
             started = time.perf_counter()
             result = engine.runner.run(batch)
-            engine._observe_prefill(out, started)
+            engine.observe_prefill(out, started)
         finally:
             # Whatever happened, the planner is done with the engine before this returns.
             self._next = future.result()
             for request in sampling:
                 request.num_inflight_tokens = 0
-        return rejected + engine._finish_step(result)
+        return rejected + engine.finish_step(result)
 
     def _plan(self) -> StepPlan | None:
         """Planning thread: the next step, with the in-flight tokens counted as known."""
