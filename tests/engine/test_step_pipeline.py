@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 from collections import defaultdict
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 from engine import LLMEngine, SamplingParams
 from engine.outputs import RequestDelta
+from engine.structured_output import StructuredOutputs
 from tests.engine.helpers import make_engine
 from tests.engine.helpers import random_tokens as tokens
 
@@ -172,3 +174,28 @@ def test_preparing_a_batch_off_the_engine_thread_starts_no_openmp_team(tiny_llam
             assert len(os.listdir("/proc/self/task")) == threads + 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_grammar_penalties_and_sampling_match_the_serial_loop(tiny_llama_with_tokenizer):
+    """A grammar's mask, penalties and seeded draws read the previous step's token when the step
+    samples, after the planned step was built: the same choices as the serial loop."""
+    params = [
+        SamplingParams(
+            max_tokens=24,
+            temperature=1.0,
+            seed=3,
+            structured_outputs=StructuredOutputs(regex=r"[0-9]{3}-[a-z]{2,6}"),
+        ),
+        SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3),
+        *(SamplingParams(max_tokens=10, temperature=0.8, seed=11 + k) for k in range(3)),  # n=3
+    ]
+    results = {}
+    for overlap in (False, True):
+        engine = make_engine(tiny_llama_with_tokenizer, async_scheduling=overlap)
+        for i, p in enumerate(params):
+            engine.add_request(str(i), "Call me at", p)
+        results[overlap] = by_request(drain(engine))
+        assert_all_blocks_free(engine)
+    assert results[True] == results[False]
+    _, text, reason = results[True]["0"]
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,6}", text) and reason == "stop"
