@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import re
+import time
 from collections import defaultdict
 
 import pytest
@@ -199,3 +200,29 @@ def test_grammar_penalties_and_sampling_match_the_serial_loop(tiny_llama_with_to
     assert results[True] == results[False]
     _, text, reason = results[True]["0"]
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2,6}", text) and reason == "stop"
+
+
+def test_a_late_request_is_rejected_by_the_step_that_reports_it(tiny_llama):
+    """A request added while a step is planned is rejected when the next step runs, not by the
+    planner: until then it is live, and its rejection comes back in that step's deltas."""
+    engine = make_engine(
+        tiny_llama, async_scheduling=True, reject_late_requests=True, max_num_seqs=1
+    )
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    engine.add_request("ok", tokens(6, 0), params)
+    engine.step()
+    assert engine._pipeline._next is not None
+    engine.add_request(
+        "late", tokens(6, 1), params, arrival_time=time.monotonic() - 1.0, deadline_ms=5
+    )
+    assert "late" in engine.scheduler.requests
+    deltas = engine.step()
+    late = [
+        (d.finished, d.finish_reason, d.new_token_ids) for d in deltas if d.request_id == "late"
+    ]
+    assert late == [(True, "rejected", [])]
+    assert [d.request_id for d in deltas if d.request_id != "late"] == ["ok"]
+    rest = drain(engine)
+    assert {d.request_id for d in rest} == {"ok"}
+    assert engine.stats.deadline_missed == {"rejected": 1}
+    assert_all_blocks_free(engine)
