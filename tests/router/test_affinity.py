@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from router import PrefixAwarePolicy, RouterConfig, make_policy
-from router.affinity import PrefixHeat, SessionTable
+from router.affinity import PrefixHeat, SessionTable, prefix_home, session_home
 from tests.router.support import prompt_hashes, random_tokens, report
 
 
@@ -87,6 +87,62 @@ def test_a_session_returns_to_its_replica_even_without_a_shared_prefix() -> None
             turn2 = prompt_hashes(random_tokens(rng, 64))
             assert first(policy.rank(replicas, turn2, 20.0 + s, session=f"s{s}")) == homes[s]
         assert policy.counters["session"] == 8
+
+
+def test_routers_that_share_no_memory_send_a_sessions_turns_to_one_replica() -> None:
+    # Serve runs a router per proxy node and HAProxy round-robins over them: turn 2 of a session
+    # often reaches a router that never saw turn 1. Turn 2 shares no block with turn 1.
+    rng = random.Random(7)
+    replicas = ["a", "b", "c", "d"]
+    routers = [prefix_policy(seed=1), prefix_policy(seed=2)]
+    for router in routers:
+        for replica in replicas:
+            router.apply_report(replica, report(replica, [], at=0.5), now=0.5)
+    homes = []
+    for s in range(24):
+        turn1, turn2 = (prompt_hashes(random_tokens(rng, 64)) for _ in range(2))
+        went = first(routers[0].rank(replicas, turn1, 1.0 + s, session=f"s{s}"))
+        routers[0].on_request_routed(f"s{s}-1", went, turn1, 1.0 + s, session=f"s{s}")
+        routers[0].on_request_completed(f"s{s}-1", 1.5 + s)
+        assert first(routers[1].rank(replicas, turn2, 2.0 + s, session=f"s{s}")) == went
+        # The home is the replica set's, not the order the candidates came in.
+        assert session_home(f"s{s}", replicas[::-1]) == went
+        homes.append(went)
+    assert len(set(homes)) == len(replicas)  # sessions spread over the replicas
+    assert routers[0].counters["session_home"] == routers[1].counters["session_home"] == 24
+
+
+def test_routers_that_share_no_memory_meet_on_a_new_prefix() -> None:
+    # A system prompt no replica reports yet, sent through two routers alternately: both send it
+    # to its first block's home while that replica is at most one such request behind.
+    rng = random.Random(9)
+    replicas = ["a", "b", "c"]
+    routers = [prefix_policy(seed=3), prefix_policy(seed=4)]
+    for router in routers:
+        for replica in replicas:
+            router.apply_report(replica, report(replica, [], at=0.5), now=0.5)
+    for g in range(12):
+        system = random_tokens(rng, 96)
+        prompts = [prompt_hashes(system + random_tokens(rng, 16)) for _ in range(4)]
+        went = {first(routers[i % 2].rank(replicas, p, 1.0 + g)) for i, p in enumerate(prompts)}
+        assert went == {prefix_home(prompts[0][0], replicas)}
+    # A home far more loaded than the others is passed over.
+    router = routers[0]
+    hashes = prompt_hashes(random_tokens(rng, 96))
+    home = prefix_home(hashes[0], replicas)
+    router.apply_report(home, report(home, [], at=30.0, running=6, pending_prefill_tokens=900), 30)
+    assert first(router.rank(replicas, hashes, 30.0)) != home
+    assert router.counters["fallback"] == 1
+
+
+def test_a_new_replica_takes_only_the_sessions_whose_home_it_becomes() -> None:
+    sessions = [f"user-{i}" for i in range(400)]
+    before = {s: session_home(s, ["a", "b", "c"]) for s in sessions}
+    after = {s: session_home(s, ["a", "b", "c", "d"]) for s in sessions}
+    moved = [s for s in sessions if before[s] != after[s]]
+    assert all(after[s] == "d" for s in moved)
+    assert 60 < len(moved) < 140  # about a quarter
+    assert session_home("user-1", []) is None
 
 
 def test_a_session_leaves_its_replica_when_the_cost_says_so() -> None:
