@@ -22,9 +22,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.attention import native
 from engine.attention.base import AttentionMetadata
 from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.kernels import native
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 

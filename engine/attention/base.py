@@ -86,7 +86,7 @@ class AttentionBackend:
 
     def native_step(self, meta: AttentionMetadata) -> tuple[torch.Tensor, ...] | None:
         """After ``prepare``: where every layer's attention of this step is one call of the
-        native kernel over the whole batch (``engine.attention.native.paged_attention`` from
+        native kernel over the whole batch (``engine.kernels.native.paged_attention`` from
         position 0), that call's ``(block_tables, seq_lens, query_start, query_len)``; else
         None. Lets a native model forward run the step without this object."""
         return None

@@ -4,7 +4,7 @@ its blocked kernel wins, and a shared-prefix split when a whole step starts from
 Per sequence of a step:
 
 - decodes, and prefill chunks with few (query, key) pairs, go through one native call
-  (``engine.attention.native.paged_attention``) that reads each cached row straight through the
+  (``engine.kernels.native.paged_attention``) that reads each cached row straight through the
   block table: no gathered copy, no padding, no call per sequence;
 - longer prefill chunks keep the PyTorch path (one SDPA call per sequence, over a gathered
   context when there is one), whose GEMM-based kernel is several times faster per pair than the
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import native
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kernels import native
 
 # A prefill chunk takes the native kernel while its (query, key) pairs are at most this many:
 # below, SDPA's fixed cost per call (~0.2 ms) dominates; above, its blocked kernel (~5x less

@@ -37,8 +37,8 @@ from typing import TypeGuard
 import torch
 import torch.nn.functional as F
 
-from engine.attention import native
 from engine.cpuinfo import cpu_has_bf16, cpu_vendor
+from engine.kernels import native
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.attention import native
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.kernels import native
 from engine.model.config import ModelConfig
 from engine.model.linear import decode_max_rows
 

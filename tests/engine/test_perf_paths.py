@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import native, select_backend
+from engine.attention import select_backend
 from engine.cpuinfo import cpu_flags
+from engine.kernels import native
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import native
+from engine.kernels import native
 from engine.model.linear import decode_max_rows
 from engine.model_runner import ScheduledSeq
 from tests.helpers import make_tiny_llama
