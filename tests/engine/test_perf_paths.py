@@ -212,7 +212,7 @@ def test_shared_prefix_split_matches_reference(dtype, monkeypatch):
     )
     backend = cpu_backend.CpuAttentionBackend()
     backend.prepare(meta)
-    assert meta.extra["shared_prefix_tokens"] == prefix_blocks * bs
+    assert meta.plan_as(cpu_backend.CpuAttentionPlan).shared_prefix_tokens == prefix_blocks * bs
     # The step's new K/V are already in the cache here: write nothing.
     backend.write_kv = lambda *args: None
     empty = torch.empty(0, kv_heads, head_dim, dtype=dtype)
