@@ -34,12 +34,12 @@ from engine.attention.torch_backend import TorchAttentionBackend, TorchAttention
 from engine.kernels import native
 
 # A prefill chunk takes the native kernel while its (query, key) pairs are at most this many:
-# below, SDPA's fixed cost per call (~0.2 ms) dominates; above, its blocked kernel (~5x less
-# per pair) wins. Measured at head_dim 64, bf16 and fp32 alike.
+# below, SDPA's fixed cost per call dominates; above, its blocked kernel (cheaper per pair)
+# wins. Measured at head_dim 64, bf16 and fp32 alike (docs/performance.md, item 7).
 NATIVE_MAX_PAIRS = 4096
-# The shared-prefix split costs one more SDPA call per layer (~0.6 ms at 64 decodes) and
-# saves the kernel's pass over the prefix for every sequence: worth it from about 64 sequences
-# x 256 prefix tokens (or fewer sequences with a longer prefix).
+# The shared-prefix split costs one more SDPA call per layer and saves the kernel's pass over
+# the prefix for every sequence: worth it from about 64 sequences x 256 prefix tokens (or fewer
+# sequences with a longer prefix; docs/performance.md, item 8).
 CASCADE_MIN_PAIRS = 16384
 _sdpa_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
