@@ -344,7 +344,7 @@ FUSED_RTOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 @pytest.mark.parametrize("width", [64, 70], ids=["vector-width", "with-tail"])
 def test_fused_elementwise_ops_match_reference_ops(width, dtype):
     from engine.model import fused
-    from engine.model.llama import apply_rope, rms_norm
+    from engine.model.layer_ops import apply_rope, rms_norm
 
     gen = torch.Generator().manual_seed(5)
     rtol = FUSED_RTOL[dtype]
