@@ -6,39 +6,47 @@ in ``args`` stops the application at start-up with a message naming the key.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from engine.config import EngineConfig, SchedulingPolicy
+from engine.config import EngineConfig, field_types
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class EngineArgs(_Strict):
-    """Every engine option (see ``engine.config.EngineConfig``) except the model."""
+# EngineConfig fields that are not ``args.engine`` options: the model, its tokenizer and the
+# hash key are top-level args (the ingress needs them too); the hash salt follows the model,
+# so that routers and replicas hash alike; replicas always prepack their weights (the switch
+# is for measuring the unpacked path offline).
+NOT_ENGINE_ARGS = frozenset({"model", "tokenizer", "kv_hash_key", "hash_salt", "prepack_weights"})
 
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    block_size: int = Field(16, gt=0)
-    num_kv_blocks: int | None = Field(None, gt=0)
-    kv_cache_memory_gb: float = Field(1.0, gt=0)
-    max_num_seqs: int = Field(64, gt=0)
-    max_num_batched_tokens: int = Field(2048, gt=0)
-    max_model_len: int | None = Field(None, gt=0)
-    enable_prefix_caching: bool = True
-    scheduling_policy: SchedulingPolicy = "fcfs"
-    reject_late_requests: bool = False
-    max_seqs_per_group: int | None = Field(None, gt=0)
-    watermark: float = Field(0.01, ge=0, lt=1)
-    adaptive_watermark: bool = True
-    attention_backend: Literal["auto", "torch", "flash"] = "auto"
-    # None: as many threads as the replica's num_cpus.
-    num_threads: int | None = Field(None, gt=0)
-    seed: int = 0
+
+def _engine_arg_fields() -> dict[str, Any]:
+    """``(annotation, default)`` of each engine option, from EngineConfig's own declaration:
+    the annotations carry the bounds, so pydantic enforces what ``EngineConfig.validate`` does
+    and names the field under ``engine``. ``num_threads`` None: the replica's num_cpus."""
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in NOT_ENGINE_ARGS:
+            continue
+        if f.default is dataclasses.MISSING:
+            raise TypeError(f"EngineConfig.{f.name} needs a default to be an engine arg")
+        fields[f.name] = (field_types()[f.name], f.default)
+    return fields
+
+
+EngineArgs = create_model(
+    "EngineArgs",
+    __base__=_Strict,
+    __doc__="Every engine option (``engine.config.EngineConfig``) but ``NOT_ENGINE_ARGS``.",
+    __module__=__name__,
+    **_engine_arg_fields(),
+)
 
 
 class RouterArgs(_Strict):

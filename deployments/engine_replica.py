@@ -48,8 +48,8 @@ from deployments.stats_log import EngineStatsLog
 from deployments.stream_items import delta_item, timeout_item
 from deployments.vllm_metrics import ChoiceTimer
 from engine.async_engine import AsyncEngine, EngineDeadError, build_on_own_thread
-from engine.attention import native
 from engine.block_hash import BlockHash, compute_block_hashes
+from engine.kernels import native
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta
 
