@@ -1,0 +1,37 @@
+"""The live routing comparison's set-up, without starting a service."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks import compare_routing
+from deployments.config import AppArgs
+
+
+def test_every_default_policy_runs_routed_on_two_one_core_engines() -> None:
+    assert compare_routing.POLICIES == ("prefix_aware", "ray_prefix_affinity", "power_of_two")
+    args = argparse.Namespace(layout="routed", kv_sharing=False)
+    for policy in compare_routing.POLICIES:
+        app = compare_routing.service_config(policy, args)["applications"][0]
+        parsed = AppArgs.model_validate(app["args"])
+        assert (parsed.layout, parsed.routing_policy) == ("routed", policy)
+        assert not parsed.kv_sharing.enabled
+        deployments = {d["name"]: d for d in app["deployments"]}
+        assert deployments["Engine"]["num_replicas"] == 2
+        assert deployments["Engine"]["ray_actor_options"] == {"num_cpus": 1}
+        assert deployments["Ingress"]["ray_actor_options"] == {"num_cpus": 0}
+
+
+def test_a_bad_policy_or_layout_is_refused_before_any_service_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        compare_routing.main(
+            ["--layout", "direct", "--policies", "prefix_aware,ray_prefix_affinity"]
+        )
+    assert "ray_prefix_affinity needs layout: routed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare_routing.main(["--policies", "prefix_awre"])
+    assert "routing_policy" in capsys.readouterr().err
