@@ -18,6 +18,7 @@ def test_every_default_policy_runs_routed_on_two_one_core_engines() -> None:
         parsed = AppArgs.model_validate(app["args"])
         assert (parsed.layout, parsed.routing_policy) == ("routed", policy)
         assert not parsed.kv_sharing.enabled
+        assert parsed.stream_interval_ms == 20.0
         deployments = {d["name"]: d for d in app["deployments"]}
         assert deployments["Engine"]["num_replicas"] == 2
         assert deployments["Engine"]["ray_actor_options"] == {"num_cpus": 1}
