@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,29 @@ def row(policy: str, workload: str, s: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+MEDIAN_FIELDS = ("hit_ratio", "ttft_p50_ms", "ttft_p99_ms", "output_tok_s", "req_s")
+
+
+def medians(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (policy, workload), in first-run order: each figure's median over the rounds
+    (failures summed, the largest replica share kept)."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["policy"], r["workload"]), []).append(r)
+    out = []
+    for (policy, workload), rs in groups.items():
+        merged: dict[str, Any] = {"policy": policy, "workload": workload, "rounds": len(rs)}
+        merged["completed"] = sum(r["completed"] for r in rs)
+        merged["failed"] = sum(r["failed"] for r in rs)
+        for key in MEDIAN_FIELDS:
+            values = [r[key] for r in rs if r[key] is not None]
+            merged[key] = statistics.median(values) if values else None
+        shares = [r["max_replica_share"] for r in rs if r["max_replica_share"] is not None]
+        merged["max_replica_share"] = max(shares) if shares else None
+        out.append(merged)
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -139,6 +163,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-dir", type=Path, default=None, help="each service's log goes here")
+    # On a shared 2-core machine one run's TTFT percentiles move by a fifth between identical
+    # runs; rounds take the policies in turn (a fresh service each time, the same prompts) and
+    # the table shows each figure's median over them.
+    p.add_argument("--rounds", type=int, default=1)
     args = p.parse_args(argv)
 
     configs = {}
@@ -150,17 +178,23 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             p.error(str(e))
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for policy, config in configs.items():
-        log = None if args.log_dir is None else args.log_dir / f"serve-{policy}.log"
-        with running_service(config, port=args.port, log_path=log) as url:
-            selected = args.workloads.split(",")
-            for name, wl in workloads(args).items():
-                if name not in selected:
-                    continue
-                summary = bench.main(["--base-url", url, *wl])
-                rows.append(row(policy, name, summary))
+    runs = []
+    for round_ in range(args.rounds):
+        for policy, config in configs.items():
+            log = None
+            if args.log_dir is not None:
+                log = args.log_dir / f"serve-{policy}-{round_}.log"
+            with running_service(config, port=args.port, log_path=log) as url:
+                selected = args.workloads.split(",")
+                for name, wl in workloads(args).items():
+                    if name not in selected:
+                        continue
+                    summary = bench.main(["--base-url", url, *wl])
+                    runs.append({**row(policy, name, summary), "round": round_})
+    rows = medians(runs)
     print()
+    if args.rounds > 1:
+        print(f"medians of {args.rounds} rounds")
     header = f"{'policy':<25}{'workload':<15}{'hit':>7}{'TTFT p50':>11}{'TTFT p99':>11}{'tok/s':>9}{'max share':>11}"
     print(header)
     # Side by side: each workload's policies together.
@@ -171,7 +205,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             f"{r['ttft_p50_ms']:>9.0f}ms{r['ttft_p99_ms']:>9.0f}ms{r['output_tok_s']:>9.1f}"
             f"{(share if share is not None else float('nan')):>11.2f}"
         )
-    print(json.dumps({"kv_sharing": args.kv_sharing, "layout": args.layout, "rows": rows}))
+    print(
+        json.dumps(
+            {"kv_sharing": args.kv_sharing, "layout": args.layout, "rows": rows, "runs": runs}
+        )
+    )
     return rows
 
 

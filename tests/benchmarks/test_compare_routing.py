@@ -36,3 +36,26 @@ def test_a_bad_policy_or_layout_is_refused_before_any_service_starts(
     with pytest.raises(SystemExit):
         compare_routing.main(["--policies", "prefix_awre"])
     assert "routing_policy" in capsys.readouterr().err
+
+
+def test_rounds_are_summarized_by_their_medians() -> None:
+    def run(policy: str, p50: float, share: float | None, hit: float | None = 0.5) -> dict:
+        return {
+            "policy": policy,
+            "workload": "shared-prefix",
+            "completed": 48,
+            "failed": 1,
+            "hit_ratio": hit,
+            "ttft_p50_ms": p50,
+            "ttft_p99_ms": 10 * p50,
+            "output_tok_s": 40.0,
+            "req_s": 2.0,
+            "max_replica_share": share,
+        }
+
+    runs = [run("a", 300, 0.5), run("b", 900, 0.6), run("a", 100, 0.7, None), run("a", 200, None)]
+    a, b = compare_routing.medians(runs)
+    assert (a["policy"], a["rounds"], a["completed"], a["failed"]) == ("a", 3, 144, 3)
+    assert (a["ttft_p50_ms"], a["ttft_p99_ms"], a["hit_ratio"]) == (200, 2000, 0.5)
+    assert a["max_replica_share"] == 0.7
+    assert (b["policy"], b["rounds"], b["ttft_p50_ms"]) == ("b", 1, 900)
