@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     # the table shows each figure's median over them.
     p.add_argument("--rounds", type=int, default=1)
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds: at least 1")
 
     configs = {}
     for policy in args.policies.split(","):
