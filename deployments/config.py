@@ -74,6 +74,17 @@ class RouterArgs(_Strict):
     stats_period_s: float = Field(1.0, gt=0)
 
 
+class RayPrefixAffinityArgs(_Strict):
+    """Init kwargs of Ray Serve's own ``PrefixCacheAffinityRouter`` (``routing_policy:
+    ray_prefix_affinity``); the defaults are Ray's."""
+
+    # Queue-length spread between replicas beyond which Ray's router ignores prefixes and picks
+    # by power of two choices. None: Ray's default, infinite (load never overrides a match).
+    imbalanced_threshold: float | None = Field(None, ge=0)
+    # Least fraction of the prompt's characters a replica must hold to be preferred for them.
+    match_rate_threshold: float = Field(0.1, ge=0, le=1)
+
+
 class KVSharingArgs(_Strict):
     """Prefix KV blocks published to Ray's object store and imported by other replicas."""
 
@@ -145,11 +156,13 @@ class AppArgs(_Strict):
     tokenizer: str | None = None
     engine: EngineArgs = EngineArgs()
     # least_connections: no request router of ours (direct layout: HAProxy balances alone; a
-    # single replica needs nothing more).
-    routing_policy: Literal["prefix_aware", "power_of_two", "round_robin", "least_connections"] = (
-        "prefix_aware"
-    )
+    # single replica needs nothing more). ray_prefix_affinity: Ray Serve's own
+    # PrefixCacheAffinityRouter, for comparison (routed layout only).
+    routing_policy: Literal[
+        "prefix_aware", "power_of_two", "round_robin", "least_connections", "ray_prefix_affinity"
+    ] = "prefix_aware"
     router: RouterArgs = RouterArgs()
+    ray_prefix_affinity: RayPrefixAffinityArgs = RayPrefixAffinityArgs()
     kv_sharing: KVSharingArgs = KVSharingArgs()
     limits: LimitsArgs = LimitsArgs()
     # Bearer token required on every route but /ping (the liveness probe's); also read from
@@ -202,6 +215,14 @@ class AppArgs(_Strict):
         if self.routing_policy == "least_connections" and self.layout != "direct":
             raise ValueError(
                 "routing_policy: least_connections is HAProxy's balancing, for layout: direct"
+            )
+        if self.routing_policy == "ray_prefix_affinity" and self.layout != "routed":
+            # The direct layout's replica chooser only asks for a replica (HAProxy sends the
+            # request): Serve then never tells the router where a request went, and Ray's
+            # router learns prefixes only from that report.
+            raise ValueError(
+                "routing_policy: ray_prefix_affinity needs layout: routed (Ray's router learns "
+                "where prefixes went only from requests sent through the Engine handle)"
             )
         return self
 
