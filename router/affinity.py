@@ -52,6 +52,35 @@ class SessionTable:
             self._turns.popitem(last=False)
 
 
+class RecentSessions:
+    """The replica's side of session affinity: the sessions whose requests it served lately, with
+    each one's latest prompt length in blocks, for its routing-stats report (``recent_sessions``).
+    Routers that did not route those turns learn from it where the sessions are.
+
+    Invariant: at most ``capacity`` sessions are held, least recently served dropped first;
+    ``snapshot`` lists only those served within ``window_s`` of ``now``, oldest first.
+    """
+
+    def __init__(self, capacity: int, window_s: float) -> None:
+        if capacity < 0 or not window_s > 0:
+            raise ValueError("capacity must be >= 0 and window_s > 0")
+        self.capacity = capacity
+        self.window_s = window_s
+        self._seen: OrderedDict[str, tuple[int, float]] = OrderedDict()
+
+    def touch(self, session: str, prompt_blocks: int, now: float) -> None:
+        if self.capacity == 0:
+            return
+        self._seen[session] = (prompt_blocks, now)
+        self._seen.move_to_end(session)
+        while len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)
+
+    def snapshot(self, now: float) -> list[tuple[str, int]]:
+        since = now - self.window_s
+        return [(s, blocks) for s, (blocks, at) in self._seen.items() if at >= since]
+
+
 def rendezvous_home(key: bytes, candidates: Sequence[str]) -> str | None:
     """The candidate with the highest rendezvous (highest-random-weight) score for ``key``; None
     without candidates.

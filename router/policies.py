@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from router.affinity import PrefixHeat, SessionTable, prefix_home, session_home
 from router.config import RouterConfig
+from router.report import report_sessions
 from router.state import ClusterState, ReplicaView
 
 Ranks = list[list[str]]
@@ -218,6 +219,17 @@ class PrefixAwarePolicy(RoutingPolicy):
         cfg = self.config
         self.sessions = SessionTable(cfg.session_capacity)
         self.heat = PrefixHeat(cfg.hot_prefix_capacity, cfg.hot_prefix_window_s)
+
+    def apply_report(self, replica_id: str, report: Mapping[str, Any], now: float) -> bool:
+        """As the base class; a session the report says the replica served, and this router has
+        no memory of, is remembered there (another router routed it)."""
+        sessions = report_sessions(report)
+        changed = super().apply_report(replica_id, report, now)
+        if changed:
+            for session, blocks in sessions:
+                if self.sessions.get(session) is None:
+                    self.sessions.record(session, replica_id, blocks)
+        return changed
 
     def on_request_routed(
         self,

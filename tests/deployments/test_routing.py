@@ -141,3 +141,16 @@ def test_a_sessions_turns_return_to_its_replica(base_url: str) -> None:
         time.sleep(6)
         second = {s: send(client, s) for s in range(6)}
     assert second == first
+
+
+def test_a_hot_prefix_is_served_from_two_replicas(base_url: str) -> None:
+    """One system prompt asked for many times a second (the prefix becomes hot, past
+    ``hot_prefix_rate``): a second replica takes a copy and serves it from its cache too, while
+    load alone (8 in flight, under the imbalance guard's 8) would not move it."""
+    rng = random.Random(17)
+    system = [rng.randrange(100, 40000) for _ in range(480)]
+    prompts = [system + [rng.randrange(100, 40000) for _ in range(16)] for _ in range(32)]
+    results = asyncio.run(_run(base_url, prompts, concurrency=8, max_tokens=8))
+    full = 480 // BLOCK * BLOCK
+    hits = collections.Counter(r["replica"] for r in results if r["cached_tokens"] >= full)
+    assert len(hits) == 2, hits

@@ -10,7 +10,13 @@ from collections import Counter
 import pytest
 
 from router import PrefixAwarePolicy, RouterConfig, make_policy
-from router.affinity import PrefixHeat, SessionTable, prefix_home, session_home
+from router.affinity import (
+    PrefixHeat,
+    RecentSessions,
+    SessionTable,
+    prefix_home,
+    session_home,
+)
 from tests.router.support import prompt_hashes, random_tokens, report
 
 
@@ -133,6 +139,48 @@ def test_routers_that_share_no_memory_meet_on_a_new_prefix() -> None:
     router.apply_report(home, report(home, [], at=30.0, running=6, pending_prefill_tokens=900), 30)
     assert first(router.rank(replicas, hashes, 30.0)) != home
     assert router.counters["fallback"] == 1
+
+
+def test_a_router_learns_from_reports_where_another_router_sent_a_session() -> None:
+    # Router 0 sent the session to the replica that is not its home (load); the replica's report
+    # tells router 1, which then sends turn 2 there with the previous prompt priced as cached.
+    rng = random.Random(11)
+    replicas = ["a", "b"]
+    other = next(r for r in replicas if r != session_home("chat-1", replicas))
+    turn2 = prompt_hashes(random_tokens(rng, 80))
+    router = prefix_policy(seed=5)
+    served = RecentSessions(capacity=8, window_s=60.0)
+    served.touch("chat-1", 4, now=1.0)
+    for replica in replicas:
+        sessions = served.snapshot(2.0) if replica == other else []
+        stats = {**report(replica, [], at=2.0), "recent_sessions": sessions}
+        router.apply_report(replica, stats, now=2.0)
+    assert first(router.rank(replicas, turn2, 3.0, session="chat-1")) == other
+    scores = {s.replica_id: s for s in router.score(replicas, turn2, 3.0, session="chat-1")}
+    assert scores[other].session and scores[other].matched_blocks == 4
+    # A session this router routed itself is not overridden by a report.
+    router.on_request_routed("t3", "a", turn2, 4.0, session="chat-2")
+    stats = {**report("b", [], at=5.0), "recent_sessions": [("chat-2", 9)]}
+    router.apply_report("b", stats, now=5.0)
+    assert first(router.rank(replicas, turn2, 6.0, session="chat-2")) == "a"
+
+
+def test_recent_sessions_age_out_of_the_report() -> None:
+    served = RecentSessions(capacity=2, window_s=10.0)
+    served.touch("s1", 1, now=0.0)
+    served.touch("s2", 2, now=5.0)
+    served.touch("s1", 3, now=6.0)
+    assert served.snapshot(12.0) == [("s2", 2), ("s1", 3)]
+    assert served.snapshot(15.5) == [("s1", 3)]
+    served.touch("s3", 0, now=16.0)  # over capacity: s2, least recently served, goes
+    assert served.snapshot(16.0) == [("s1", 3), ("s3", 0)]
+
+
+@pytest.mark.parametrize("bad", ["s1", [["s1"]], [["s1", -1]], [[1, 2]], [["s1", True]], {"s1": 2}])
+def test_a_malformed_session_list_is_refused_by_name(bad: object) -> None:
+    router = prefix_policy()
+    with pytest.raises(ValueError, match="recent_sessions"):
+        router.apply_report("a", {**report("a", [], at=1.0), "recent_sessions": bad}, now=1.0)
 
 
 def test_a_new_replica_takes_only_the_sessions_whose_home_it_becomes() -> None:
