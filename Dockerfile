@@ -33,7 +33,7 @@ ENV PREFIXSERVE_CACHE_DIR=/home/ray/prefixserve-cache \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# A C compiler for the engine's native CPU kernels (engine/attention/native.py). They are
+# A C compiler for the engine's native CPU kernels (engine/kernels/native.py). They are
 # compiled at first use with -march=native for the CPU the Pod runs on, so the image carries the
 # compiler rather than one prebuilt binary; without it every step would run the slower PyTorch
 # path. Ray's images run as the unprivileged user `ray` (its Python is ~/anaconda3).
@@ -80,6 +80,6 @@ RUN python -c "from engine.model.loader import resolve_model; print(resolve_mode
 # The build fails here unless the native kernels compile and load in this image (compiler,
 # headers, OpenMP, the sources shipped in the package); the library built for this machine's CPU
 # stays in the cache, where a Pod on another CPU builds its own beside it.
-RUN python -c "import sys; from engine.attention import native; reason = native.unavailable_reason(); sys.exit(f'native kernels unavailable: {reason}') if reason else print('native kernels: ok')"
+RUN python -c "import sys; from engine.kernels import native; reason = native.unavailable_reason(); sys.exit(f'native kernels unavailable: {reason}') if reason else print('native kernels: ok')"
 
 WORKDIR /home/ray

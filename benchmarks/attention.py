@@ -22,9 +22,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.attention import native
 from engine.attention.base import AttentionMetadata
-from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.attention.cpu_backend import CpuAttentionBackend, CpuAttentionPlan
+from engine.kernels import native
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -165,7 +165,7 @@ def decode(dtype: torch.dtype, repeat: int) -> None:
     )
     backend = CpuAttentionBackend()
     backend.prepare(meta)
-    assert meta.extra["shared_prefix_tokens"] == prefix
+    assert meta.plan_as(CpuAttentionPlan).shared_prefix_tokens == prefix
     backend.write_kv = lambda *args: None  # type: ignore[method-assign]
     no_kv = torch.empty(0, KV_HEADS, HEAD_DIM, dtype=dtype)
 

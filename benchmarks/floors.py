@@ -27,8 +27,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.attention import native
 from engine.cpuinfo import cpu_has_bf16, cpu_vendor
+from engine.kernels import native
 from engine.model.linear import (
     FP32_PACKED_ROWS,
     _onednn_pack,

@@ -100,6 +100,7 @@ def engine_deployment(args: AppArgs) -> Any:
             args.router.model_dump(),
             args.router.stats_period_s,
             kv_sharing=args.kv_sharing.enabled,
+            ray_args=args.ray_prefix_affinity.model_dump(),
         ),
     }
     return serve.deployment(EngineReplica).options(**options)

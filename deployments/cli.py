@@ -108,10 +108,14 @@ def _flag(name: str) -> str:
 
 
 def _unwrap_optional(annotation: Any) -> Any:
+    """``T`` of ``T | None`` (bounds dropped: ``Annotated[T, ...]`` -> ``T``), else
+    ``annotation``."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(args) == 1:
-            return args[0]
+            annotation = args[0]
+    if typing.get_origin(annotation) is typing.Annotated:
+        return typing.get_args(annotation)[0]
     return annotation
 
 

@@ -6,40 +6,47 @@ in ``args`` stops the application at start-up with a message naming the key.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from engine.config import EngineConfig, SchedulingPolicy
+from engine.config import EngineConfig, field_types
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class EngineArgs(_Strict):
-    """Every engine option (see ``engine.config.EngineConfig``) except the model."""
+# EngineConfig fields that are not ``args.engine`` options: the model, its tokenizer and the
+# hash key are top-level args (the ingress needs them too); the hash salt follows the model,
+# so that routers and replicas hash alike; replicas always prepack their weights (the switch
+# is for measuring the unpacked path offline).
+NOT_ENGINE_ARGS = frozenset({"model", "tokenizer", "kv_hash_key", "hash_salt", "prepack_weights"})
 
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    block_size: int = Field(16, gt=0)
-    num_kv_blocks: int | None = Field(None, gt=0)
-    kv_cache_memory_gb: float = Field(1.0, gt=0)
-    max_num_seqs: int = Field(64, gt=0)
-    max_num_batched_tokens: int = Field(2048, gt=0)
-    max_model_len: int | None = Field(None, gt=0)
-    enable_prefix_caching: bool = True
-    scheduling_policy: SchedulingPolicy = "fcfs"
-    reject_late_requests: bool = False
-    max_seqs_per_group: int | None = Field(None, gt=0)
-    watermark: float = Field(0.01, ge=0, lt=1)
-    adaptive_watermark: bool = True
-    async_scheduling: bool = False
-    attention_backend: Literal["auto", "torch", "flash"] = "auto"
-    # None: as many threads as the replica's num_cpus.
-    num_threads: int | None = Field(None, gt=0)
-    seed: int = 0
+
+def _engine_arg_fields() -> dict[str, Any]:
+    """``(annotation, default)`` of each engine option, from EngineConfig's own declaration:
+    the annotations carry the bounds, so pydantic enforces what ``EngineConfig.validate`` does
+    and names the field under ``engine``. ``num_threads`` None: the replica's num_cpus."""
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in NOT_ENGINE_ARGS:
+            continue
+        if f.default is dataclasses.MISSING:
+            raise TypeError(f"EngineConfig.{f.name} needs a default to be an engine arg")
+        fields[f.name] = (field_types()[f.name], f.default)
+    return fields
+
+
+EngineArgs = create_model(
+    "EngineArgs",
+    __base__=_Strict,
+    __doc__="Every engine option (``engine.config.EngineConfig``) but ``NOT_ENGINE_ARGS``.",
+    __module__=__name__,
+    **_engine_arg_fields(),
+)
 
 
 class RouterArgs(_Strict):
@@ -50,6 +57,7 @@ class RouterArgs(_Strict):
     transfer_cost_per_block: float = Field(0.25, ge=0)
     queued_prefill_cost_per_block: float = Field(0.25, ge=0)
     min_match_blocks: int = Field(1, ge=0)
+    prefix_home: bool = True
     imbalance_abs: int = Field(8, ge=0)
     imbalance_rel: float = Field(2.0, ge=1)
     # Seconds a routing decision counts as cached on its replica after the request completes,
@@ -64,6 +72,17 @@ class RouterArgs(_Strict):
     hot_prefix_capacity: int = Field(16384, ge=0)
     # How often Serve polls each engine replica's record_routing_stats().
     stats_period_s: float = Field(1.0, gt=0)
+
+
+class RayPrefixAffinityArgs(_Strict):
+    """Init kwargs of Ray Serve's own ``PrefixCacheAffinityRouter`` (``routing_policy:
+    ray_prefix_affinity``); the defaults are Ray's."""
+
+    # Queue-length spread between replicas beyond which Ray's router ignores prefixes and picks
+    # by power of two choices. None: Ray's default, infinite (load never overrides a match).
+    imbalanced_threshold: float | None = Field(None, ge=0)
+    # Least fraction of the prompt's characters a replica must hold to be preferred for them.
+    match_rate_threshold: float = Field(0.1, ge=0, le=1)
 
 
 class KVSharingArgs(_Strict):
@@ -137,11 +156,13 @@ class AppArgs(_Strict):
     tokenizer: str | None = None
     engine: EngineArgs = EngineArgs()
     # least_connections: no request router of ours (direct layout: HAProxy balances alone; a
-    # single replica needs nothing more).
-    routing_policy: Literal["prefix_aware", "power_of_two", "round_robin", "least_connections"] = (
-        "prefix_aware"
-    )
+    # single replica needs nothing more). ray_prefix_affinity: Ray Serve's own
+    # PrefixCacheAffinityRouter, for comparison (routed layout only).
+    routing_policy: Literal[
+        "prefix_aware", "power_of_two", "round_robin", "least_connections", "ray_prefix_affinity"
+    ] = "prefix_aware"
     router: RouterArgs = RouterArgs()
+    ray_prefix_affinity: RayPrefixAffinityArgs = RayPrefixAffinityArgs()
     kv_sharing: KVSharingArgs = KVSharingArgs()
     limits: LimitsArgs = LimitsArgs()
     # Bearer token required on every route but /ping (the liveness probe's); also read from
@@ -194,6 +215,14 @@ class AppArgs(_Strict):
         if self.routing_policy == "least_connections" and self.layout != "direct":
             raise ValueError(
                 "routing_policy: least_connections is HAProxy's balancing, for layout: direct"
+            )
+        if self.routing_policy == "ray_prefix_affinity" and self.layout != "routed":
+            # The direct layout's replica chooser only asks for a replica (HAProxy sends the
+            # request): Serve then never tells the router where a request went, and Ray's
+            # router learns prefixes only from that report.
+            raise ValueError(
+                "routing_policy: ray_prefix_affinity needs layout: routed (Ray's router learns "
+                "where prefixes went only from requests sent through the Engine handle)"
             )
         return self
 

@@ -48,10 +48,11 @@ from deployments.stats_log import EngineStatsLog
 from deployments.stream_items import delta_item, timeout_item
 from deployments.vllm_metrics import ChoiceTimer
 from engine.async_engine import AsyncEngine, EngineDeadError, build_on_own_thread
-from engine.attention import native
 from engine.block_hash import BlockHash, compute_block_hashes
+from engine.kernels import native
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta
+from router.affinity import RecentSessions
 
 logger = logging.getLogger("ray.serve")
 
@@ -99,6 +100,9 @@ class EngineReplica:
         # Loaded (or found unavailable, with a WARNING) while the engine was built.
         self.metrics.set_native_kernels(native.unavailable_reason())
         self.num_admitted = 0
+        # Reported to the routers, so that one that did not route a session's turn learns where
+        # it went (sessions a few minutes idle age out of the report).
+        self.recent_sessions = RecentSessions(capacity=16384, window_s=300.0)
         self.admitted_peak = 0
         self.admitted_gauge = Gauge(
             "prefixserve_replica_requests_admitted",
@@ -172,6 +176,9 @@ class EngineReplica:
         if request_logging.current() != ids:
             request_logging.bind(ids.response_id, ids.x_request_id)
         self._ensure_reporter()
+        if req.session_id:
+            blocks = len(req.prompt_token_ids) // self.engine.block_size
+            self.recent_sessions.touch(req.session_id, blocks, time.time())
         trace = (
             None if self.tracer is None else tracing.ReplicaTrace(self.tracer, req, self.replica_id)
         )
@@ -362,7 +369,9 @@ class EngineReplica:
             self._routing_stats = await asyncio.wait_for(
                 self.async_engine.call(self._routing_snapshot), timeout=2.0
             )
-        return self._routing_stats
+        # Read here, on the event loop that updates it, not on the engine thread.
+        sessions = self.recent_sessions.snapshot(time.time())
+        return {**self._routing_stats, "recent_sessions": sessions}
 
     def check_health(self) -> None:
         self.async_engine.check_health()

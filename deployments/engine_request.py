@@ -50,6 +50,12 @@ class EngineRequest:
     # The HTTP request this belongs to, the same for each of its prompts: the engine's fair
     # share (engine.fair_share) caps a group's sequences per step. None: this request's choices.
     group_id: str | None = None
+    # The prompt as text (a chat's through its template), only under routing_policy
+    # ray_prefix_affinity: Ray's PrefixCacheAffinityRouter matches the text of a request
+    # argument's ``prompt`` (or ``messages``, which it looks for first, so this class has none).
+    # Never empty when set: that router divides by its length. Our own policies read only
+    # ``block_hashes``.
+    prompt: str | None = None
 
 
 @dataclass

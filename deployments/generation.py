@@ -91,6 +91,15 @@ class RetryableError(Exception):
         self.backoff = backoff
 
 
+def prompt_text(tokenizer: Any, token_ids: list[int]) -> str:
+    """A prompt's tokens as text for a request router that matches text prefixes (Ray's
+    ``PrefixCacheAffinityRouter``): decoded with special tokens kept, since the chat template's
+    markers are cached like any other token. Never empty (that router divides by the length):
+    without a tokenizer, or where the tokens decode to nothing, the ids written out."""
+    text = "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=False)
+    return text or " ".join(map(str, token_ids)) or " "
+
+
 class Generation:
     """Runs ``GenerationJob``s on one backend; one per HTTP-serving replica."""
 
@@ -102,6 +111,8 @@ class Generation:
         self.hash_key = hash_key(args.kv_hash_key)
         self.retry_after = {"Retry-After": str(args.limits.retry_after_s)}
         self.traced = tracing.enabled(args.otlp_traces_endpoint)
+        # Ray's prefix router reads the prompt's text; our policies never need it.
+        self.carry_text = args.routing_policy == "ray_prefix_affinity"
 
     def _replica_header(self, items: list[StreamItem]) -> dict[str, str]:
         """Which engine replica served the request (several, comma-separated, for several
@@ -155,6 +166,7 @@ class Generation:
                 trace_context=carrier,
                 session_id=job.session_id,
                 group_id=rid,
+                prompt=prompt_text(job.builder.tokenizer, ids) if self.carry_text else None,
             )
             for i, ids in enumerate(job.prompts)
         ]

@@ -180,7 +180,7 @@ class ReplicaMetrics:
         self.admission_watermark.labels(replica=rid).set(stats.admission_watermark_blocks)
 
     def set_native_kernels(self, unavailable_reason: str | None) -> None:
-        """Export whether the native kernels are loaded (``engine.attention.native``)."""
+        """Export whether the native kernels are loaded (``engine.kernels.native``)."""
         reason = unavailable_reason or ""
         self.native_kernels.labels(replica=self.replica_id, reason=reason).set(0 if reason else 1)
 

@@ -4,12 +4,11 @@ A prefill step allocates activations of several MiB per op (the ``[2048, 3072]``
 one MLP projection is 12 MiB). By default glibc serves blocks that large from a fresh ``mmap``
 and unmaps them on free, or trims them off the top of the heap, so every step page-faults the
 same memory in again: in W1's prefill steps that left oneDNN's GEMMs and the elementwise kernels
-running at ~0.6-0.8x of their speed on warm memory (its three 2,048-token steps took 1.65 s, and
-1.40 s with the settings below). :func:`keep_freed_memory` fixes the thresholds, as the
-``MALLOC_MMAP_THRESHOLD_`` family of variables would at start-up: blocks up to 32 MiB come from
-the heap, and the heap returns memory to the system only past 1 GiB free at its top. That is
-what preloading tcmalloc, vLLM's advice for CPUs, buys, without a preload. A process that
-preloads another allocator is unaffected.
+well below their speed on warm memory (docs/performance.md, item 17).
+:func:`keep_freed_memory` fixes the thresholds, as the ``MALLOC_MMAP_THRESHOLD_`` family of
+variables would at start-up: blocks up to 32 MiB come from the heap, and the heap returns memory
+to the system only past 1 GiB free at its top. That is what preloading tcmalloc, vLLM's advice
+for CPUs, buys, without a preload. A process that preloads another allocator is unaffected.
 """
 
 from __future__ import annotations

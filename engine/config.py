@@ -1,10 +1,20 @@
-"""Engine configuration: one frozen dataclass, validated once, passed whole."""
+"""Engine configuration: one frozen dataclass, validated once, passed whole.
+
+It is the one declaration of the engine's options: each field's type, default and bounds (as
+``annotated_types`` markers in its annotation) are what :meth:`EngineConfig.validate` checks and
+what the serving side's ``args.engine`` model (``deployments.config.EngineArgs``) is built from.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+from annotated_types import Ge, Gt, Lt
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 # How the waiting queue is ordered (engine.scheduling_policy: each is a tuple of scorers).
@@ -12,6 +22,7 @@ SchedulingPolicy = Literal["fcfs", "priority", "deadline", "shortest_prompt"]
 SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
 AttentionBackendName = Literal["auto", "torch", "cpu", "flash"]
 Device = Literal["auto", "cpu", "cuda"]
+PositiveInt = Annotated[int, Gt(0)]
 
 
 @dataclass(frozen=True)
@@ -26,12 +37,12 @@ class EngineConfig:
     tokenizer: str | None = None
     dtype: DType = "auto"
     device: Device = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
+    block_size: PositiveInt = 16
+    num_kv_blocks: PositiveInt | None = None
+    kv_cache_memory_gb: Annotated[float, Gt(0)] = 1.0
+    max_num_seqs: PositiveInt = 64
+    max_num_batched_tokens: PositiveInt = 2048
+    max_model_len: PositiveInt | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
     # A request still waiting for its first token when its deadline_ms has passed ends with
@@ -40,15 +51,15 @@ class EngineConfig:
     # Fair share (engine.fair_share): while sequences of more than one client request are in the
     # scheduler, one step schedules at most this many of one request's sequences (prompts x n),
     # rotating which; a request alone is never capped. None: off.
-    max_seqs_per_group: int | None = None
+    max_seqs_per_group: PositiveInt | None = None
     # Fraction of KV blocks that admission of a new request leaves free, so that running requests
     # can keep decoding without immediate preemption.
-    watermark: float = 0.01
+    watermark: Annotated[float, Ge(0), Lt(1)] = 0.01
     # Lower the admission watermark after preemptions and let it recover as requests finish
     # (engine.admission_watermark).
     adaptive_watermark: bool = True
     attention_backend: AttentionBackendName = "auto"
-    num_threads: int | None = None
+    num_threads: PositiveInt | None = None
     # Pack linear weights once for oneDNN on CPU (bf16 always; fp32 for decode-sized batches,
     # at the cost of a second copy of the weights); falls back to F.linear.
     prepack_weights: bool = True
@@ -68,57 +79,73 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
+        """Raise ValueError, naming the field, unless every field holds a value of its declared
+        type within its declared bounds."""
         if not self.model or not isinstance(self.model, str):
             raise ValueError("model: a model name, directory or .gguf path is required")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            _check_positive_int(name, getattr(self, name))
-        for name in ("num_kv_blocks", "max_model_len", "num_threads", "max_seqs_per_group"):
-            if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
-        if not _is_number(self.kv_cache_memory_gb) or self.kv_cache_memory_gb <= 0:
-            raise ValueError(
-                f"kv_cache_memory_gb: must be positive, got {self.kv_cache_memory_gb!r}"
-            )
-        if not _is_number(self.watermark) or not 0.0 <= self.watermark < 1.0:
-            raise ValueError(f"watermark: must be in [0, 1), got {self.watermark!r}")
-        for name in (
-            "enable_prefix_caching",
-            "reject_late_requests",
-            "adaptive_watermark",
-            "async_scheduling",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: must be a boolean, got {getattr(self, name)!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
-        for name in ("tokenizer", "hash_salt", "kv_hash_key"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise ValueError(f"{name}: must be a string, got {getattr(self, name)!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
-            )
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"scheduling_policy: must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                f"got {self.scheduling_policy!r}"
-            )
-        if self.attention_backend not in ("auto", "torch", "cpu", "flash"):
-            raise ValueError(
-                "attention_backend: must be auto, torch, cpu or flash, "
-                f"got {self.attention_backend!r}"
-            )
+        for name, hint in field_types().items():
+            _check(name, hint, getattr(self, name))
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
+@functools.cache
+def field_types() -> dict[str, Any]:
+    """Each field's resolved annotation, bounds (``Annotated`` metadata) included, in declaration
+    order. Cached: callers must not change it."""
+    hints = typing.get_type_hints(EngineConfig, include_extras=True)
+    return {f.name: hints[f.name] for f in dataclasses.fields(EngineConfig)}
+
+
+_KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+
+
+def _check(name: str, hint: Any, value: object) -> None:
+    """``value`` against ``hint``: ``T``, ``T | None``, ``Annotated[T, *bounds]`` of a scalar
+    ``T`` in ``_KINDS``, or a ``Literal``."""
+    if get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None:
+            return
+        (hint,) = [a for a in get_args(hint) if a is not type(None)]
+    bounds: tuple[Any, ...] = ()
+    if get_origin(hint) is Annotated:
+        hint, *rest = get_args(hint)
+        bounds = tuple(rest)
+    if get_origin(hint) is Literal:
+        choices = get_args(hint)
+        if value not in choices:
+            raise ValueError(f"{name}: must be one of {', '.join(choices)}, got {value!r}")
+        return
+    if hint not in _KINDS:
+        raise TypeError(f"{name}: no check for a field of type {hint!r}")
+    ok = isinstance(value, hint) and not (hint is not bool and isinstance(value, bool))
+    if hint is float:
+        ok = _is_number(value)
+    ok = ok and all(_within(bound, value) for bound in bounds)
+    if not ok:
+        limits = " and ".join(_describe(bound) for bound in bounds)
+        wanted = f"{_KINDS[hint]} {limits}" if limits else _KINDS[hint]
+        raise ValueError(f"{name}: must be {wanted}, got {value!r}")
+
+
+def _within(bound: Any, value: Any) -> bool:
+    if isinstance(bound, Gt):
+        return value > bound.gt
+    if isinstance(bound, Ge):
+        return value >= bound.ge
+    if isinstance(bound, Lt):
+        return value < bound.lt
+    raise TypeError(f"unsupported bound {bound!r}")
+
+
+def _describe(bound: Any) -> str:
+    if isinstance(bound, Gt):
+        return f"> {bound.gt}"
+    if isinstance(bound, Ge):
+        return f">= {bound.ge}"
+    return f"< {bound.lt}"
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name}: must be a positive integer, got {value!r}")

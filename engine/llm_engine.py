@@ -90,7 +90,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto`` is bfloat16 on CUDA and on CPUs with native bf16 arithmetic (AVX512-BF16 or
     AMX), float32 elsewhere. Without native bf16, an explicit bfloat16 keeps bf16 weights and KV
     cache but multiplies batches of more than a few rows in float32 (``linear.upcast_linear``):
-    on an AVX2-only CPU W1 then ran ~10% slower than float32 and batch-1 decode ~40% faster,
+    on an AVX2-only CPU W1 then ran a little slower than float32 and batch-1 decode faster,
     since a lone sequence is bound by reading the weights (docs/performance.md)."""
     if name == "auto":
         if device.type == "cuda" or cpu_has_bf16():

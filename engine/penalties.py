@@ -77,8 +77,9 @@ def distinct_tokens(
     """The distinct (list, token) pairs of ``token_lists``, sorted: each pair's list index,
     token id and number of occurrences (int64 tensors of equal length).
 
-    Built through numpy: ``torch.tensor`` of a Python list costs ~0.15 us per element, ten times
-    ``np.fromiter``, and 64 long requests hold 10^5 tokens.
+    Built through numpy: ``torch.tensor`` of a Python list costs several times ``np.fromiter``
+    per element (docs/performance.md, "Figures behind the code"), and 64 long requests hold 10^5
+    tokens.
     """
     lengths = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
     tokens = np.fromiter(

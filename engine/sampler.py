@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import native
+from engine.kernels import native
 from engine.outputs import TokenLogprobs
 from engine.penalties import apply_penalties
 from engine.request import Request

@@ -49,9 +49,13 @@ class RouterConfig:
     # cluster throughput for every later request too (the queue counts less the request's
     # matched blocks, since the queued work may be the very prefix it would reuse).
     queued_prefill_cost_per_block: float = 0.25
-    # Fewest leading blocks some replica must hold for the request before the prefix cost is used;
-    # with a shorter best match the request goes to the better of two random replicas.
+    # Fewest leading blocks some replica must hold for the request before the prefix cost is used.
     min_match_blocks: int = 1
+    # With a shorter best match, first try the replica every router of the deployment picks for
+    # the prompt's first block (``router.affinity.prefix_home``) unless its load cost exceeds the
+    # least by more than one request's: routers that share no memory (one per proxy node) then
+    # meet on one replica with a new system prompt. False: the better of two random replicas.
+    prefix_home: bool = True
     # Imbalance guard: a replica is "hot" when its load exceeds the least-loaded candidate's by more
     # than imbalance_abs requests AND is more than imbalance_rel times it. Hot replicas are ranked
     # after every other one, whatever their cache holds.
@@ -100,6 +104,8 @@ class RouterConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
+        if not isinstance(self.prefix_home, bool):
+            raise ValueError(f"prefix_home: must be a boolean, got {self.prefix_home!r}")
         _check_float("imbalance_rel", self.imbalance_rel, minimum=1.0)
         _check_float("decision_ttl_s", self.decision_ttl_s, minimum=0.0, exclusive=True)
 

@@ -15,8 +15,9 @@ from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from router.affinity import PrefixHeat, SessionTable
+from router.affinity import PrefixHeat, SessionTable, prefix_home, session_home
 from router.config import RouterConfig
+from router.report import report_sessions
 from router.state import ClusterState, ReplicaView
 
 Ranks = list[list[str]]
@@ -187,16 +188,21 @@ class PrefixAwarePolicy(RoutingPolicy):
     """Least cost first, where cost = prefill work the replica's cache does not cover + load.
 
     * If no candidate holds at least ``min_match_blocks`` leading blocks of the request and the
-      request's session has no known replica among the candidates, there is no affinity to
-      exploit: power of two choices on the load terms of the cost (counted as ``fallback``).
-      With ``min_match_blocks=0`` this never happens and a request without matches goes to the
-      candidate with the least load cost (join the shortest queue).
+      request names no session, this router knows of no affinity to exploit; another router of
+      the deployment may have sent the same prefix somewhere already. The request goes to the
+      ``prefix_home`` of its first block unless that replica's load cost exceeds the least by
+      more than one request's (counted as ``prefix_home``), else by power of two choices on
+      the load terms of the cost (``fallback``). With ``min_match_blocks=0`` this never happens
+      and a request without matches goes to the candidate with the least load cost.
     * Otherwise candidates are ranked by ``CandidateScore.cost``; ties go to the session's
       replica, then at random.
     * Session affinity: the replica a session's latest turn went to is priced as holding that
       turn's prompt blocks (the router cannot see the answer it cached, nor a prompt whose early
       tokens changed), so a turn returns there unless load outweighs the reuse (``session``
-      counts first choices that are the session's replica).
+      counts first choices that are the session's replica). A session this router has not seen
+      (new, or routed by another router of the same deployment) has its ``session_home`` as its
+      replica, unpriced: it wins ties, so routers that share no memory still agree (counted as
+      ``session_home``).
     * Hot prefixes: when the longest match is asked for often (``PrefixHeat``) and fewer replicas
       hold it than its rate wants, non-holders price its blocks at ``hot_prefix_cost_per_block``,
       so a loaded holder gives requests to a second replica (counted as ``replicate``).
@@ -213,6 +219,17 @@ class PrefixAwarePolicy(RoutingPolicy):
         cfg = self.config
         self.sessions = SessionTable(cfg.session_capacity)
         self.heat = PrefixHeat(cfg.hot_prefix_capacity, cfg.hot_prefix_window_s)
+
+    def apply_report(self, replica_id: str, report: Mapping[str, Any], now: float) -> bool:
+        """As the base class; a session the report says the replica served, and this router has
+        no memory of, is remembered there (another router routed it)."""
+        sessions = report_sessions(report)
+        changed = super().apply_report(replica_id, report, now)
+        if changed:
+            for session, blocks in sessions:
+                if self.sessions.get(session) is None:
+                    self.sessions.record(session, replica_id, blocks)
+        return changed
 
     def on_request_routed(
         self,
@@ -260,13 +277,26 @@ class PrefixAwarePolicy(RoutingPolicy):
         )
         has_session = any(t[_SESSION] for t in terms)
         if not has_session and max(t[_MATCHED] for t in terms) < self.config.min_match_blocks:
-            self._count("fallback")
             cfg = self.config
             loads = [
                 cfg.load_cost_per_request * t[_LOAD]
                 + cfg.queued_prefill_cost_per_block * t[_QUEUED]
                 for t in terms
             ]
+            home = (
+                prefix_home(block_hashes[0], candidates)
+                if block_hashes and cfg.prefix_home
+                else None
+            )
+            if home is not None:
+                i = candidates.index(home)
+                # One request of slack: within it, meeting the requests other routers sent with
+                # the same first block is worth more than the load difference.
+                if loads[i] <= min(loads) + cfg.load_cost_per_request:
+                    self._count("prefix_home")
+                    order = sorted(range(len(candidates)), key=lambda k: (k != i, loads[k]))
+                    return [[candidates[k]] for k in order]
+            self._count("fallback")
             return self._power_of_two(candidates, loads)
         rand = self.rng.random
         # (hot, cost, not the session's, tie-break): the guard first, then the cost, then the
@@ -280,7 +310,9 @@ class PrefixAwarePolicy(RoutingPolicy):
         elif best[_REPLICATE]:
             self._count("replicate")
         elif best[_SESSION]:
-            self._count("session")
+            turn = self.sessions.get(session)
+            remembered = turn is not None and turn.replica_id == best[0]
+            self._count("session" if remembered else "session_home")
         else:
             self._count("prefix")
         return [[terms[k[4]][0]] for k in keyed]
@@ -318,14 +350,21 @@ class PrefixAwarePolicy(RoutingPolicy):
         )
         matches = [v.matched_blocks(block_hashes, now, ttl) for v in views]
         turn = self.sessions.get(session)
-        session_replica = None if turn is None else turn.replica_id
+        if turn is not None and turn.replica_id in candidates:
+            session_replica: str | None = turn.replica_id
+        elif session is not None:
+            # Unknown here (a new session, or one another router placed): its home, which every
+            # router agrees on, wins ties; the session's prompt is not priced as cached there.
+            session_replica = session_home(session, candidates)
+            turn = None
+        else:
+            session_replica = None
         replicate_to = self._replication_depth(block_hashes, matches, now, count)
         replicate_w = min(prefill, cfg.hot_prefix_cost_per_block)
         terms = []
         for view, load, matched in zip(views, loads, matches, strict=True):
             is_session = view.replica_id == session_replica
-            if is_session:
-                assert turn is not None
+            if is_session and turn is not None:
                 matched = max(matched, min(n, turn.prompt_blocks))
             transfer = 0 if run_end is None else run_end[matched] - matched
             replicate = max(0, replicate_to - matched - transfer)

@@ -7,8 +7,10 @@ Contract (a plain dict, so that it crosses process and pickling boundaries uncha
      "cached_block_hashes": list[int],   # every hash in the replica's prefix cache (full snapshot)
      "reported_at": float,               # time.time() when the snapshot was taken
      "num_pending_prefill_tokens": int,  # optional (0 if absent): prompt tokens queued for prefill
-     "transfer_cost_ratio": float}       # optional: seconds to import a block over seconds to
+     "transfer_cost_ratio": float,       # optional: seconds to import a block over seconds to
                                          # prefill one, as the replica measured them
+     "recent_sessions": list[[str, int]]}  # optional: sessions served lately and each one's
+                                         # latest prompt length in blocks, oldest first
 """
 
 from __future__ import annotations
@@ -94,3 +96,33 @@ class ReplicaReport:
             num_pending_prefill_tokens=pending,
             transfer_cost_ratio=None if ratio is None else float(ratio),
         )
+
+
+MAX_REPORTED_SESSIONS = 65536
+
+
+def report_sessions(stats: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """The report's ``recent_sessions`` (empty when absent), validated: ``[session, blocks]``
+    pairs; raises ValueError naming the key otherwise."""
+    raw = stats.get("recent_sessions")
+    if raw is None:
+        return []
+    if isinstance(raw, str | bytes | Mapping) or not isinstance(raw, list | tuple):
+        raise ValueError("routing stats: recent_sessions must be a list of [session, blocks]")
+    if len(raw) > MAX_REPORTED_SESSIONS:
+        raise ValueError(f"routing stats: recent_sessions holds over {MAX_REPORTED_SESSIONS}")
+    out = []
+    for entry in raw:
+        if (
+            not isinstance(entry, list | tuple)
+            or len(entry) != 2
+            or not isinstance(entry[0], str)
+            or not isinstance(entry[1], int)
+            or isinstance(entry[1], bool)
+            or entry[1] < 0
+        ):
+            raise ValueError(
+                f"routing stats: recent_sessions entries must be [session, blocks], got {entry!r}"
+            )
+        out.append((entry[0], entry[1]))
+    return out

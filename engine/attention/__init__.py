@@ -27,7 +27,7 @@ def flash_available(device: torch.device) -> bool:
 def native_cpu_available(device: torch.device) -> bool:
     if device.type != "cpu":
         return False
-    from engine.attention import native
+    from engine.kernels import native
 
     return native.available()
 

@@ -2,10 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import NamedTuple, TypeVar
 
 import torch
+
+
+@dataclass
+class AttentionPlan:
+    """What a backend derives from one step's batch layout in ``prepare`` and every layer of the
+    step reads. Each backend has its own subclass; a plan is valid for the one
+    ``AttentionMetadata`` it was made from and is never reused across steps."""
+
+
+PlanT = TypeVar("PlanT", bound=AttentionPlan)
+
+
+class NativeSeqs(NamedTuple):
+    """The arguments of one native paged-attention call over a set of sequences of the step, in
+    step order (all int64, contiguous, ``n`` sequences): ``block_tables [n, max_blocks]``,
+    ``seq_lens [n]`` (context lengths), ``query_start [n]`` (each sequence's first row in the flat
+    batch) and ``query_len [n]``."""
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start: torch.Tensor
+    query_len: torch.Tensor
 
 
 @dataclass
@@ -30,12 +52,20 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_list: list[int]
     seq_lens_list: list[int]
-    # Backend-specific tensors derived once per step (masks, gathered indices).
-    extra: dict[str, Any] = field(default_factory=dict)
+    # Set by the backend's ``prepare``: per-step tensors derived once for every layer.
+    plan: AttentionPlan | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_list)
+
+    def plan_as(self, kind: type[PlanT]) -> PlanT:
+        """The step's plan, which must be a ``kind``: the backend reading it is the one that
+        prepared it (or a subclass of it)."""
+        if not isinstance(self.plan, kind):
+            found = type(self.plan).__name__
+            raise TypeError(f"attention metadata holds a {found}, not a {kind.__name__}")
+        return self.plan
 
 
 class AttentionBackend:
@@ -52,7 +82,7 @@ class AttentionBackend:
     supports_softcap = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        """Precompute per-step tensors shared by every layer (stored in ``meta.extra``)."""
+        """Set ``meta.plan``: the per-step tensors every layer of the step shares."""
 
     @staticmethod
     def write_kv(
@@ -84,9 +114,9 @@ class AttentionBackend:
         them."""
         raise NotImplementedError
 
-    def native_step(self, meta: AttentionMetadata) -> tuple[torch.Tensor, ...] | None:
+    def native_step(self, meta: AttentionMetadata) -> NativeSeqs | None:
         """After ``prepare``: where every layer's attention of this step is one call of the
-        native kernel over the whole batch (``engine.attention.native.paged_attention`` from
-        position 0), that call's ``(block_tables, seq_lens, query_start, query_len)``; else
-        None. Lets a native model forward run the step without this object."""
+        native kernel over the whole batch (``engine.kernels.native.paged_attention`` from
+        position 0), that call's arguments; else None. Lets a native model forward run the step
+        without this object."""
         return None

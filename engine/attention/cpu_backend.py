@@ -4,7 +4,7 @@ its blocked kernel wins, and a shared-prefix split when a whole step starts from
 Per sequence of a step:
 
 - decodes, and prefill chunks with few (query, key) pairs, go through one native call
-  (``engine.attention.native.paged_attention``) that reads each cached row straight through the
+  (``engine.kernels.native.paged_attention``) that reads each cached row straight through the
   block table: no gathered copy, no padding, no call per sequence;
 - longer prefill chunks keep the PyTorch path (one SDPA call per sequence, over a gathered
   context when there is one), whose GEMM-based kernel is several times faster per pair than the
@@ -25,19 +25,21 @@ C compiler ``auto`` falls back to ``torch``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from engine.attention import native
-from engine.attention.base import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.base import AttentionMetadata, AttentionPlan, NativeSeqs
+from engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionPlan, torch_plan
+from engine.kernels import native
 
 # A prefill chunk takes the native kernel while its (query, key) pairs are at most this many:
-# below, SDPA's fixed cost per call (~0.2 ms) dominates; above, its blocked kernel (~5x less
-# per pair) wins. Measured at head_dim 64, bf16 and fp32 alike.
+# below, SDPA's fixed cost per call dominates; above, its blocked kernel (cheaper per pair)
+# wins. Measured at head_dim 64, bf16 and fp32 alike (docs/performance.md, item 7).
 NATIVE_MAX_PAIRS = 4096
-# The shared-prefix split costs one more SDPA call per layer (~0.6 ms at 64 decodes) and
-# saves the kernel's pass over the prefix for every sequence: worth it from about 64 sequences
-# x 256 prefix tokens (or fewer sequences with a longer prefix).
+# The shared-prefix split costs one more SDPA call per layer and saves the kernel's pass over
+# the prefix for every sequence: worth it from about 64 sequences x 256 prefix tokens (or fewer
+# sequences with a longer prefix; docs/performance.md, item 8).
 CASCADE_MIN_PAIRS = 16384
 _sdpa_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -45,6 +47,28 @@ _sdpa_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 def _pairs(qlen: int, keys: int) -> int:
     """(query, key) pairs of a causal chunk of ``qlen`` queries ending at the last of ``keys``."""
     return qlen * keys - qlen * (qlen - 1) // 2
+
+
+@dataclass
+class CpuAttentionPlan(AttentionPlan):
+    """How the CPU backend splits one step between the native kernel and SDPA.
+
+    Every sequence of the step is in exactly one of ``native_seqs`` (one native call over those
+    sequences, in step order; None when there is none) and ``sdpa_seqs`` (sorted indices into
+    the step's sequences, one SDPA call each). ``shared_prefix_tokens`` is 0, or a positive
+    multiple of ``block_size`` that every sequence's block table starts with and every query
+    comes after; then ``sdpa_seqs`` is empty, ``native_seqs`` covers the whole step (from
+    position ``shared_prefix_tokens``) and ``shared_prefix_blocks`` names the prefix's blocks
+    of the cache (a slice when their ids are consecutive, else an int64 index tensor).
+    ``reference`` is the reference backend's plan, made by the first layer of a step the native
+    kernel cannot run (float16) and reused by the others; None until then.
+    """
+
+    native_seqs: NativeSeqs | None
+    sdpa_seqs: list[int]
+    shared_prefix_tokens: int = 0
+    shared_prefix_blocks: slice | torch.Tensor | None = None
+    reference: TorchAttentionPlan | None = None
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -80,31 +104,42 @@ class CpuAttentionBackend(TorchAttentionBackend):
             for i in range(meta.num_seqs)
             if qlens[i] == 1 or self._on_native(_pairs(qlens[i], lens[i] - prefix))
         ]
-        meta.extra["sdpa_seqs"] = sorted(set(range(meta.num_seqs)) - set(on_native))
-        meta.extra["shared_prefix_tokens"] = prefix
+        plan = CpuAttentionPlan(
+            native_seqs=None,
+            sdpa_seqs=sorted(set(range(meta.num_seqs)) - set(on_native)),
+            shared_prefix_tokens=prefix,
+        )
         if prefix:
             blocks = meta.block_tables[0, : prefix // meta.block_size]
             first = int(blocks[0])
             if torch.equal(blocks, torch.arange(first, first + len(blocks))):
                 # Consecutive ids (one allocation): read the cache in place, no gather.
-                meta.extra["shared_prefix_blocks"] = slice(first, first + len(blocks))
+                plan.shared_prefix_blocks = slice(first, first + len(blocks))
             else:
-                meta.extra["shared_prefix_blocks"] = blocks.contiguous()
+                plan.shared_prefix_blocks = blocks.contiguous()
         if on_native:
             idx = torch.tensor(on_native, dtype=torch.int64)
             whole = len(on_native) == meta.num_seqs
             starts = torch.tensor(qsl[:-1], dtype=torch.int64)
-            meta.extra["native_seqs"] = (
+            plan.native_seqs = NativeSeqs(
                 meta.block_tables.contiguous() if whole else meta.block_tables[idx].contiguous(),
                 meta.seq_lens.contiguous() if whole else meta.seq_lens[idx].contiguous(),
                 starts if whole else starts[idx].contiguous(),
                 torch.tensor([qlens[i] for i in on_native], dtype=torch.int64),
             )
+        meta.plan = plan
 
-    def native_step(self, meta: AttentionMetadata) -> tuple[torch.Tensor, ...] | None:
-        if meta.extra.get("shared_prefix_tokens") or meta.extra.get("sdpa_seqs"):
+    def reference_plan(self, meta: AttentionMetadata) -> TorchAttentionPlan:
+        plan = meta.plan_as(CpuAttentionPlan)
+        if plan.reference is None:
+            plan.reference = torch_plan(meta)
+        return plan.reference
+
+    def native_step(self, meta: AttentionMetadata) -> NativeSeqs | None:
+        plan = meta.plan_as(CpuAttentionPlan)
+        if plan.shared_prefix_tokens or plan.sdpa_seqs:
             return None
-        return meta.extra.get("native_seqs")
+        return plan.native_seqs
 
     @staticmethod
     def write_kv(
@@ -144,24 +179,26 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         if q.dtype not in native.DTYPE_CODES:
-            # float16 has no native path: the reference handles the whole step.
-            if "decode_mask" not in meta.extra:
-                super().prepare(meta)
+            # float16 has no native path: the reference handles the whole step (its decode
+            # path reads ``reference_plan``).
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+        plan = meta.plan_as(CpuAttentionPlan)
         self.write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
-        prefix = meta.extra["shared_prefix_tokens"]
-        seqs = meta.extra.get("native_seqs")
+        prefix = plan.shared_prefix_tokens
+        seqs = plan.native_seqs
         if prefix:
+            assert seqs is not None and plan.shared_prefix_blocks is not None
             part = torch.empty_like(q)
             part_lse = torch.empty(q.shape[:2], dtype=torch.float32)
             native.paged_attention(
                 q, k_cache, v_cache, *seqs, part, scale, kv_start=prefix, lse=part_lse
             )
-            self._merge_shared_prefix(q, k_cache, v_cache, meta, scale, part, part_lse, out)
+            blocks = plan.shared_prefix_blocks
+            self._merge_shared_prefix(q, k_cache, v_cache, blocks, scale, part, part_lse, out)
         elif seqs is not None:
             native.paged_attention(q, k_cache, v_cache, *seqs, out, scale)
-        for i in meta.extra["sdpa_seqs"]:
+        for i in plan.sdpa_seqs:
             self.prefill_one(q, k, v, k_cache, v_cache, meta, scale, out, i)
         return out
 
@@ -170,18 +207,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        blocks: slice | torch.Tensor,
         scale: float,
         part: torch.Tensor,
         part_lse: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
         """Attend every query row to the shared prefix in one SDPA call and merge with ``part``
-        (the rows' attention over their own keys) into ``out``."""
+        (the rows' attention over their own keys) into ``out``; ``blocks``: the prefix's cache
+        blocks (``CpuAttentionPlan.shared_prefix_blocks``)."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
-        blocks = meta.extra["shared_prefix_blocks"]
         if isinstance(blocks, slice):
             kp, vp = k_cache[blocks], v_cache[blocks]
         else:

@@ -16,10 +16,12 @@ the scores explicitly, as transformers' eager attention does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.base import AttentionBackend, AttentionMetadata, AttentionPlan
 
 
 def attend(
@@ -43,22 +45,48 @@ def attend(
     return torch.matmul(probs, v)
 
 
+@dataclass
+class TorchAttentionPlan(AttentionPlan):
+    """The decodes' padded gather, made once per step.
+
+    With ``nd = num_decodes > 0`` and ``n = cdiv(max decode seq_len, block_size)``:
+    ``decode_block_tables`` is ``[nd, n]``, the first ``n`` columns of the decodes' block
+    tables, and ``decode_mask`` is ``[nd, 1, 1, n * block_size]``, True exactly at the key
+    positions below the decode's ``seq_len``. Both are None when the step has no decode.
+    ``decode_windows[w]`` is the ``(tables, mask)`` pair of layers with sliding window ``w``
+    (see ``TorchAttentionBackend._decode_view``), added by the first such layer of the step.
+    """
+
+    decode_block_tables: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    decode_windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def torch_plan(meta: AttentionMetadata) -> TorchAttentionPlan:
+    """The reference backend's plan for the step laid out by ``meta``."""
+    nd = meta.num_decodes
+    if nd == 0:
+        return TorchAttentionPlan()
+    lens = meta.seq_lens[:nd]
+    max_len = int(max(meta.seq_lens_list[:nd]))
+    num_blocks = -(-max_len // meta.block_size)
+    span = num_blocks * meta.block_size
+    keep = torch.arange(span, device=lens.device)[None, :] < lens[:, None]
+    return TorchAttentionPlan(meta.block_tables[:nd, :num_blocks], keep[:, None, None, :])
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     supports_window = True
     supports_softcap = True
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        nd = meta.num_decodes
-        if nd == 0:
-            return
-        lens = meta.seq_lens[:nd]
-        max_len = int(max(meta.seq_lens_list[:nd]))
-        num_blocks = -(-max_len // meta.block_size)
-        meta.extra["decode_block_tables"] = meta.block_tables[:nd, :num_blocks]
-        span = num_blocks * meta.block_size
-        keep = torch.arange(span, device=lens.device)[None, :] < lens[:, None]
-        meta.extra["decode_mask"] = keep[:, None, None, :]
+        meta.plan = torch_plan(meta)
+
+    def reference_plan(self, meta: AttentionMetadata) -> TorchAttentionPlan:
+        """The plan the decode path of this class reads; a subclass with a plan of its own
+        says where its reference plan is."""
+        return meta.plan_as(TorchAttentionPlan)
 
     def forward(
         self,
@@ -85,19 +113,20 @@ class TorchAttentionBackend(AttentionBackend):
             self.prefill_one(q, k, v, k_cache, v_cache, meta, scale, out, i, window, softcap)
         return out
 
-    @staticmethod
     def _decode_view(
-        meta: AttentionMetadata, window: int | None
+        self, meta: AttentionMetadata, window: int | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decodes' block tables ``[nd, n]`` to gather and the mask ``[nd, 1, 1, n *
         block_size]`` of the keys each sees, made once per step and window. Windowed: only the
         blocks that hold a decode's last ``window`` positions, from its own first such block."""
+        plan = self.reference_plan(meta)
+        full, full_mask = plan.decode_block_tables, plan.decode_mask
+        if full is None or full_mask is None:
+            raise ValueError("the step has no decode to attend")
         if window is None:
-            return meta.extra["decode_block_tables"], meta.extra["decode_mask"]
-        key = ("decode_window", window)
-        if key not in meta.extra:
+            return full, full_mask
+        if window not in plan.decode_windows:
             bs = meta.block_size
-            full = meta.extra["decode_block_tables"]
             lens = meta.seq_lens[: meta.num_decodes]
             # ``window`` consecutive positions touch at most this many blocks.
             n = min(full.shape[1], (window - 1) // bs + 2)
@@ -107,8 +136,8 @@ class TorchAttentionBackend(AttentionBackend):
             # Positions from the unclamped block numbers: a clamped repeat lies past the end.
             pos = (blocks[:, :, None] * bs + torch.arange(bs, device=lens.device)).flatten(1)
             keep = (pos < lens[:, None]) & (pos >= lens[:, None] - window)
-            meta.extra[key] = (tables, keep[:, None, None, :])
-        return meta.extra[key]
+            plan.decode_windows[window] = (tables, keep[:, None, None, :])
+        return plan.decode_windows[window]
 
     def decode_forward(
         self,

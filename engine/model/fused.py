@@ -2,7 +2,7 @@
 
 At decode batch sizes a layer's RMSNorms, residual adds, RoPE and SiLU-gating are ~40 small
 PyTorch ops per layer, each a dispatch plus a pass over memory; the native versions
-(``engine/attention/csrc/fused_ops.c``) do each group in one pass. In bfloat16 they round
+(``engine/kernels/csrc/fused_ops.c``) do each group in one pass. In bfloat16 they round
 wherever the eager ops do, so outputs agree with the reference functions in ``llama.py`` up to
 float32 summation order; in float32 they do the eager ops' arithmetic and differ only in
 summation order (RMSNorm) and the last bit of e^x (SiLU), less than the matmuls' own variation
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from engine.attention import native
+from engine.kernels import native
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 

@@ -2,24 +2,25 @@
 
 ``F.linear`` in bfloat16 on CPU reorders the weight into oneDNN's blocked (AMX / AVX512-BF16)
 layout on every call; packing it once and calling ``torch.ops.mkldnn._linear_pointwise`` skips
-that, which measured 1.4-2x faster for this model's shapes at 1-64 rows. In float32,
+that, which measured faster for this model's shapes at 1-64 rows. In float32,
 ``F.linear`` is MKL's sgemm, and which of the two wins depends on the CPU (see
 :func:`fp32_packed_rows`); the packed copy costs another copy of the weights in memory. Packing
 is only used when the op exists in this torch build and a probe matches ``F.linear``; otherwise
 :func:`pack_weight` returns None and :func:`linear` uses ``F.linear``.
 
 On a CPU without native bf16 arithmetic (no AVX512-BF16, no AMX) torch's bf16 matmul is
-emulated at roughly the cost of one matrix-vector product per input row: at 64 rows it took
-5-6x float32's time for this model's shapes, at 2,048 rows 9x. Past a few rows :func:`linear`
+emulated at roughly the cost of one matrix-vector product per input row, several times
+float32's time for this model's shapes. Past a few rows :func:`linear`
 therefore widens the bf16 weight to float32 a slice at a time, multiplies in float32 and rounds
 the output to bf16 (see :func:`upcast_linear`).
 
 On a CPU with AMX, bf16 inputs of up to ``decode_max_rows()`` rows (decode steps) take this
 project's AMX kernel instead (``csrc/amx_linear.c``): with its own tile layout of the weight it
-streams the weights ~1.1-1.3x faster than oneDNN at 1-64 rows, where a step is bound by reading
+streams the weights faster than oneDNN at 1-64 rows, where a step is bound by reading
 them. On a CPU with AVX512-BF16 but no AMX (AMD Zen 4) the same layout feeds a ``vdpbf16ps``
-kernel (``csrc/decode_linear.c``), 1.1-1.7x faster than oneDNN there from 1 to 128 rows. That
-layout is a third copy of the bf16 weights in memory.
+kernel (``csrc/decode_linear.c``), faster than oneDNN there from 1 to 128 rows. That
+layout is a third copy of the bf16 weights in memory. The figures: docs/performance.md,
+"Figures behind the code".
 
 On a CPU whose widest float32 arithmetic is AVX2 + FMA (no AVX-512: AMD Zen 2/3), float32 inputs
 of any number of rows take this project's kernel (``csrc/f32_linear.c``) over its own panel copy
@@ -37,8 +38,8 @@ from typing import TypeGuard
 import torch
 import torch.nn.functional as F
 
-from engine.attention import native
 from engine.cpuinfo import cpu_has_bf16, cpu_vendor
+from engine.kernels import native
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +58,9 @@ def fp32_packed_rows(vendor: str) -> range:
     """Rows of a float32 input for which the packed oneDNN kernel beats MKL's sgemm (measured
     at this model's shapes, 2 threads, docs/performance.md).
 
-    On Intel (Sapphire Rapids) oneDNN wins by 5-20% from 4 to 256 rows and loses at 1 row and
-    at prefill sizes. On AMD (Zen 3) MKL takes its slower non-Intel code paths and oneDNN wins
-    at every row count measured, 1 to 2,048: by 1.3x at 1 row, 2-3x at 2-8 rows (a whole
-    batch-1 decode step went from ~60 to ~45 ms). Other or unknown CPUs keep Intel's range.
+    On Intel (Sapphire Rapids) oneDNN wins from 4 to 256 rows and loses at 1 row and at
+    prefill sizes. On AMD (Zen 3) MKL takes its slower non-Intel code paths and oneDNN wins at
+    every row count measured, 1 to 2,048. Other or unknown CPUs keep Intel's range.
     """
     if vendor == "AuthenticAMD":
         return range(1, 1 << 31)

@@ -8,10 +8,11 @@ soft-capping and sliding layers, Phi-4-mini's partial RoPE. Numerics follow tran
 implementation op for op (RMSNorm in float32, RoPE tables in float32 cast to the model dtype,
 rotate-half RoPE), so that float32 greedy decoding is token-identical.
 
-Paths: a Llama (``ModelConfig.is_plain_llama``) on CPU takes the fused kernels (Qwen3's q/k
-norms included) and, in bf16, the native decode stack; every other model takes the reference
-loop of :meth:`LlamaForCausalLM.forward`. :meth:`LlamaForCausalLM.forward_path` names the one
-taken.
+Paths: one layer loop, :meth:`LlamaForCausalLM.forward`, over swappable elementwise ops
+(``engine.model.layer_ops``): a Llama (``ModelConfig.is_plain_llama``) on CPU takes the fused
+kernels (Qwen3's q/k norms included) and, in bf16, the native decode stack where a step
+qualifies; every other model takes the reference ops. :meth:`LlamaForCausalLM.forward_path`
+names the one taken.
 """
 
 from __future__ import annotations
@@ -24,46 +25,9 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.model import fused
 from engine.model.config import ModelConfig
 from engine.model.families import checkpoint_names, text_weights
-from engine.model.linear import PackedWeight, linear, pack_weight, silu_mul_linear
+from engine.model.layer_ops import FusedOps, ReferenceOps, soft_cap
+from engine.model.linear import PackedWeight, linear, pack_weight
 from engine.model.native_forward import NativeForward
-
-
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False
-) -> torch.Tensor:
-    """Llama's RMSNorm (normed x cast to the dtype, then times w), or with ``gemma`` Gemma's
-    (times 1 + w in float32, then cast)."""
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if gemma:
-        return (xf * (1.0 + weight.float())).to(dtype)
-    return weight * xf.to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [T, heads, D]``; ``cos``/``sin [T, 1, R/2]`` in x's dtype: rotates the first ``R``
-    dims of each head (all of them unless RoPE is partial) and passes the rest."""
-    rot = 2 * cos.shape[-1]
-    xr = x[..., :rot]
-    half = rot // 2
-    x1, x2 = xr[..., :half], xr[..., half:]
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    if rot == x.shape[-1]:
-        return rotated
-    return torch.cat((rotated, x[..., rot:]), dim=-1)
-
-
-def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
-    """Gemma 2's ``cap * tanh(x / cap)``, in transformers' order of operations."""
-    return torch.tanh(x / cap) * cap
-
-
-def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
-    if act == "gelu_pytorch_tanh":
-        return F.gelu(gate, approximate="tanh") * up
-    return F.silu(gate) * up
-
 
 LINEAR_WEIGHTS = ("qkv", "o", "gate_up", "down")
 
@@ -167,110 +131,43 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Returns the final hidden states ``[T, hidden]`` (normed)."""
+        """Returns the final hidden states ``[T, hidden]`` (normed): the native stack's where
+        the step qualifies, else one layer loop over the path's ops (``engine.model.layer_ops``:
+        fused kernels or the reference PyTorch ops)."""
         path = self.forward_path()
         if path == "native":
             hidden = self.native_forward.run(input_ids, positions, kv_caches, meta)
             if hidden is not None:
                 return hidden
-        if path != "reference":
-            return self._forward_fused(input_ids, positions, kv_caches, meta)
         cfg = self.cfg
         x = F.embedding(input_ids, self.embed)
-        dtype = x.dtype
         if cfg.embed_scale is not None:
-            x = x * torch.tensor(cfg.embed_scale, dtype=dtype)
-        tables = {False: self._rope_rows(self.rope_cos, self.rope_sin, positions, dtype)}
-        if cfg.local_rope:
-            tables[True] = self._rope_rows(
-                self.local_rope_cos, self.local_rope_sin, positions, dtype
-            )
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        rope = (self.rope_cos, self.rope_sin)
+        ops: ReferenceOps | FusedOps
+        if path == "reference":
+            local = None
+            if self.local_rope_cos is not None:
+                local = (self.local_rope_cos, self.local_rope_sin)
+            ops = ReferenceOps(cfg, rope, local, positions, x.dtype)
+        else:
+            ops = FusedOps(cfg, rope, positions)
         t = x.shape[0]
-
-        def norm(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            return rms_norm(y, weight, cfg.rms_norm_eps, cfg.gemma_norm)
-
+        delta: torch.Tensor | None = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            h = norm(x, layer.input_norm)
             packed = layer.packed
+            x, h = ops.add_norm(x, delta, layer.input_norm)
             qkv = linear(h, layer.qkv, layer.qkv_bias, packed["qkv"])
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = q.view(t, cfg.num_heads, cfg.head_dim)
-            k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm:
-                q, k = norm(q, layer.q_norm), norm(k, layer.k_norm)
-            cos, sin = tables[cfg.local_rope and cfg.layer_window(i) is not None]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = ops.qkv_heads(qkv, layer.q_norm, layer.k_norm, i)
             attn = self.backend.forward(
                 q, k, v, k_cache, v_cache, meta, self.scale, **self.attn_options[i]
             )
             o = linear(attn.reshape(t, cfg.q_size), layer.o, layer.o_bias, packed["o"])
-            x = x + (norm(o, layer.attn_out_norm) if cfg.sandwich_norm else o)
-            h = norm(x, layer.post_norm)
-            gate_up = linear(h, layer.gate_up, layer.gate_up_bias, packed["gate_up"])
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = gated_act(gate, up, cfg.hidden_act)
+            x, h = ops.add_norm(x, ops.out_norm(o, layer.attn_out_norm), layer.post_norm)
+            act = ops.mlp_act(h, layer.gate_up, layer.gate_up_bias, packed["gate_up"])
             d = linear(act, layer.down, layer.down_bias, packed["down"])
-            x = x + (norm(d, layer.mlp_out_norm) if cfg.sandwich_norm else d)
-        return norm(x, self.norm)
-
-    @staticmethod
-    def _rope_rows(
-        cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return cos[positions].to(dtype).unsqueeze(1), sin[positions].to(dtype).unsqueeze(1)
-
-    def _forward_fused(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """``forward`` with the elementwise ops fused (on CPU): each residual add is folded
-        into the next RMSNorm, RoPE rotates q and k in place inside the qkv output."""
-        cfg = self.cfg
-        eps, q_size, kv_size = cfg.rms_norm_eps, cfg.q_size, cfg.kv_size
-        x = F.embedding(input_ids, self.embed)
-        t = x.shape[0]
-        positions = positions.contiguous()
-        delta: torch.Tensor | None = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            packed = layer.packed
-            h = fused.add_rms_norm(x, delta, layer.input_norm, eps)
-            qkv = linear(h, layer.qkv, layer.qkv_bias, packed["qkv"])
-            if cfg.qk_norm:
-                self._qk_norm_(qkv, layer)
-            fused.rope_(
-                qkv,
-                positions,
-                self.rope_cos,
-                self.rope_sin,
-                cfg.num_heads + cfg.num_kv_heads,
-                cfg.head_dim,
-            )
-            q = qkv[:, :q_size].view(t, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, q_size + kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
-            attn = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-            o = linear(attn.reshape(t, q_size), layer.o, layer.o_bias, packed["o"])
-            h = fused.add_rms_norm(x, o, layer.post_norm, eps)
-            act = silu_mul_linear(h, layer.gate_up, layer.gate_up_bias, packed["gate_up"])
-            if act is None:
-                gate_up = linear(h, layer.gate_up, layer.gate_up_bias, packed["gate_up"])
-                act = fused.silu_mul(gate_up)
-            delta = linear(act, layer.down, layer.down_bias, packed["down"])
-        return fused.add_rms_norm(x, delta, self.norm, eps)
-
-    def _qk_norm_(self, qkv: torch.Tensor, layer: DecoderLayer) -> None:
-        """Qwen3's per-head RMSNorm of q and k, in place inside the qkv output."""
-        cfg = self.cfg
-        t, q_size, kv_size = qkv.shape[0], cfg.q_size, cfg.kv_size
-        q = qkv[:, :q_size].view(t, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, q_size : q_size + kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
-        q.copy_(rms_norm(q, layer.q_norm, cfg.rms_norm_eps))
-        k.copy_(rms_norm(k, layer.k_norm, cfg.rms_norm_eps))
+            delta = ops.out_norm(d, layer.mlp_out_norm)
+        return ops.add_norm(x, delta, self.norm)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype (the sampler converts when it needs float32)."""

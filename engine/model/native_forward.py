@@ -1,8 +1,9 @@
 """The decoder stack of a bf16 decode step in one native call (``csrc/llama_forward.c``).
 
-:meth:`LlamaForCausalLM._forward_fused` calls ~9 native kernels per layer; at decode batch sizes
-the Python around them (wrappers, ctypes crossings, a fresh tensor per output) and the idle
-OpenMP threads between them cost 7.6 ms of a 45.5 ms step at batch 64, 2.3 ms with one call.
+The layer loop of :meth:`LlamaForCausalLM.forward` over ``layer_ops.FusedOps`` calls ~9 native
+kernels per layer; at decode batch sizes the Python around them (wrappers, ctypes crossings, a
+fresh tensor per output) and the idle OpenMP threads between them cost a sixth of a step at
+batch 64, a third of that with one call (docs/performance.md, "Figures behind the code").
 :class:`NativeForward` describes the model to C once (shapes, and per layer pointers to the norm
 weights, the decode-packed weights and the KV cache) and then runs a
 step's whole stack in one call: the same kernels in the same order, so the hidden states are
@@ -29,8 +30,8 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.attention import native
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.kernels import native
 from engine.model.config import ModelConfig
 from engine.model.linear import decode_max_rows
 

@@ -27,7 +27,7 @@ def test_wheel_ships_kernel_sources_and_profile(tmp_path: Path) -> None:
     (wheel,) = (tmp_path / "dist").glob("prefixserve-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     from benchmarks.sim.profile import DEFAULT_PROFILE
-    from engine.attention import native
+    from engine.kernels import native
 
     needed = [*native.SOURCES, *native.HEADERS, DEFAULT_PROFILE]
     missing = [str(p.relative_to(ROOT)) for p in needed if str(p.relative_to(ROOT)) not in names]

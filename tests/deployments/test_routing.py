@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import random
+import time
 from pathlib import Path
 
 import httpx
@@ -109,3 +110,47 @@ def test_unrelated_prompts_spread(base_url: str) -> None:
     counts = collections.Counter(r["replica"] for r in results)
     assert len(counts) == 2
     assert max(counts.values()) <= 0.65 * len(prompts), counts
+
+
+def test_a_sessions_turns_return_to_its_replica(base_url: str) -> None:
+    """Turn 2 of each session shares no prefix with turn 1, so without the session (Serve's
+    x-session-id header, or the OpenAI ``user`` field) it would land by load alone: with both
+    replicas idle, on either one (six sessions all returning by chance: 1 in 64)."""
+    rng = random.Random(13)
+
+    def send(client: httpx.Client, session: int) -> str:
+        body = {
+            "model": "tiny",
+            "prompt": [rng.randrange(100, 40000) for _ in range(320)],
+            "max_tokens": 2,
+            "temperature": 0,
+        }
+        headers = {}
+        if session % 2:
+            headers["x-session-id"] = f"conversation-{session}"
+        else:
+            body["user"] = f"user-{session}"
+        r = client.post(f"{base_url}/v1/completions", json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        return r.headers["x-engine-replica"]
+
+    with httpx.Client(timeout=120) as client:
+        first = {s: send(client, s) for s in range(6)}
+        # Past the router's 5 s hold on a ranked request, so the first turns no longer count as
+        # load on their replicas.
+        time.sleep(6)
+        second = {s: send(client, s) for s in range(6)}
+    assert second == first
+
+
+def test_a_hot_prefix_is_served_from_two_replicas(base_url: str) -> None:
+    """One system prompt asked for many times a second (the prefix becomes hot, past
+    ``hot_prefix_rate``): a second replica takes a copy and serves it from its cache too, while
+    load alone (8 in flight, under the imbalance guard's 8) would not move it."""
+    rng = random.Random(17)
+    system = [rng.randrange(100, 40000) for _ in range(480)]
+    prompts = [system + [rng.randrange(100, 40000) for _ in range(16)] for _ in range(32)]
+    results = asyncio.run(_run(base_url, prompts, concurrency=8, max_tokens=8))
+    full = 480 // BLOCK * BLOCK
+    hits = collections.Counter(r["replica"] for r in results if r["cached_tokens"] >= full)
+    assert len(hits) == 2, hits

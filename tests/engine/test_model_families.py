@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.attention import native
+from engine.kernels import native
 from tests.helpers import TINY_FAMILIES, hf_greedy, make_tiny_family
 
 MAX_NEW = 24

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import native, select_backend
+from engine.attention import select_backend
 from engine.cpuinfo import cpu_flags
+from engine.kernels import native
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -211,7 +212,7 @@ def test_shared_prefix_split_matches_reference(dtype, monkeypatch):
     )
     backend = cpu_backend.CpuAttentionBackend()
     backend.prepare(meta)
-    assert meta.extra["shared_prefix_tokens"] == prefix_blocks * bs
+    assert meta.plan_as(cpu_backend.CpuAttentionPlan).shared_prefix_tokens == prefix_blocks * bs
     # The step's new K/V are already in the cache here: write nothing.
     backend.write_kv = lambda *args: None
     empty = torch.empty(0, kv_heads, head_dim, dtype=dtype)
@@ -343,7 +344,7 @@ FUSED_RTOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 @pytest.mark.parametrize("width", [64, 70], ids=["vector-width", "with-tail"])
 def test_fused_elementwise_ops_match_reference_ops(width, dtype):
     from engine.model import fused
-    from engine.model.llama import apply_rope, rms_norm
+    from engine.model.layer_ops import apply_rope, rms_norm
 
     gen = torch.Generator().manual_seed(5)
     rtol = FUSED_RTOL[dtype]

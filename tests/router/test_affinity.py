@@ -10,7 +10,13 @@ from collections import Counter
 import pytest
 
 from router import PrefixAwarePolicy, RouterConfig, make_policy
-from router.affinity import PrefixHeat, SessionTable
+from router.affinity import (
+    PrefixHeat,
+    RecentSessions,
+    SessionTable,
+    prefix_home,
+    session_home,
+)
 from tests.router.support import prompt_hashes, random_tokens, report
 
 
@@ -87,6 +93,104 @@ def test_a_session_returns_to_its_replica_even_without_a_shared_prefix() -> None
             turn2 = prompt_hashes(random_tokens(rng, 64))
             assert first(policy.rank(replicas, turn2, 20.0 + s, session=f"s{s}")) == homes[s]
         assert policy.counters["session"] == 8
+
+
+def test_routers_that_share_no_memory_send_a_sessions_turns_to_one_replica() -> None:
+    # Serve runs a router per proxy node and HAProxy round-robins over them: turn 2 of a session
+    # often reaches a router that never saw turn 1. Turn 2 shares no block with turn 1.
+    rng = random.Random(7)
+    replicas = ["a", "b", "c", "d"]
+    routers = [prefix_policy(seed=1), prefix_policy(seed=2)]
+    for router in routers:
+        for replica in replicas:
+            router.apply_report(replica, report(replica, [], at=0.5), now=0.5)
+    homes = []
+    for s in range(24):
+        turn1, turn2 = (prompt_hashes(random_tokens(rng, 64)) for _ in range(2))
+        went = first(routers[0].rank(replicas, turn1, 1.0 + s, session=f"s{s}"))
+        routers[0].on_request_routed(f"s{s}-1", went, turn1, 1.0 + s, session=f"s{s}")
+        routers[0].on_request_completed(f"s{s}-1", 1.5 + s)
+        assert first(routers[1].rank(replicas, turn2, 2.0 + s, session=f"s{s}")) == went
+        # The home is the replica set's, not the order the candidates came in.
+        assert session_home(f"s{s}", replicas[::-1]) == went
+        homes.append(went)
+    assert len(set(homes)) == len(replicas)  # sessions spread over the replicas
+    assert routers[0].counters["session_home"] == routers[1].counters["session_home"] == 24
+
+
+def test_routers_that_share_no_memory_meet_on_a_new_prefix() -> None:
+    # A system prompt no replica reports yet, sent through two routers alternately: both send it
+    # to its first block's home while that replica is at most one such request behind.
+    rng = random.Random(9)
+    replicas = ["a", "b", "c"]
+    routers = [prefix_policy(seed=3), prefix_policy(seed=4)]
+    for router in routers:
+        for replica in replicas:
+            router.apply_report(replica, report(replica, [], at=0.5), now=0.5)
+    for g in range(12):
+        system = random_tokens(rng, 96)
+        prompts = [prompt_hashes(system + random_tokens(rng, 16)) for _ in range(4)]
+        went = {first(routers[i % 2].rank(replicas, p, 1.0 + g)) for i, p in enumerate(prompts)}
+        assert went == {prefix_home(prompts[0][0], replicas)}
+    # A home far more loaded than the others is passed over.
+    router = routers[0]
+    hashes = prompt_hashes(random_tokens(rng, 96))
+    home = prefix_home(hashes[0], replicas)
+    router.apply_report(home, report(home, [], at=30.0, running=6, pending_prefill_tokens=900), 30)
+    assert first(router.rank(replicas, hashes, 30.0)) != home
+    assert router.counters["fallback"] == 1
+
+
+def test_a_router_learns_from_reports_where_another_router_sent_a_session() -> None:
+    # Router 0 sent the session to the replica that is not its home (load); the replica's report
+    # tells router 1, which then sends turn 2 there with the previous prompt priced as cached.
+    rng = random.Random(11)
+    replicas = ["a", "b"]
+    other = next(r for r in replicas if r != session_home("chat-1", replicas))
+    turn2 = prompt_hashes(random_tokens(rng, 80))
+    router = prefix_policy(seed=5)
+    served = RecentSessions(capacity=8, window_s=60.0)
+    served.touch("chat-1", 4, now=1.0)
+    for replica in replicas:
+        sessions = served.snapshot(2.0) if replica == other else []
+        stats = {**report(replica, [], at=2.0), "recent_sessions": sessions}
+        router.apply_report(replica, stats, now=2.0)
+    assert first(router.rank(replicas, turn2, 3.0, session="chat-1")) == other
+    scores = {s.replica_id: s for s in router.score(replicas, turn2, 3.0, session="chat-1")}
+    assert scores[other].session and scores[other].matched_blocks == 4
+    # A session this router routed itself is not overridden by a report.
+    router.on_request_routed("t3", "a", turn2, 4.0, session="chat-2")
+    stats = {**report("b", [], at=5.0), "recent_sessions": [("chat-2", 9)]}
+    router.apply_report("b", stats, now=5.0)
+    assert first(router.rank(replicas, turn2, 6.0, session="chat-2")) == "a"
+
+
+def test_recent_sessions_age_out_of_the_report() -> None:
+    served = RecentSessions(capacity=2, window_s=10.0)
+    served.touch("s1", 1, now=0.0)
+    served.touch("s2", 2, now=5.0)
+    served.touch("s1", 3, now=6.0)
+    assert served.snapshot(12.0) == [("s2", 2), ("s1", 3)]
+    assert served.snapshot(15.5) == [("s1", 3)]
+    served.touch("s3", 0, now=16.0)  # over capacity: s2, least recently served, goes
+    assert served.snapshot(16.0) == [("s1", 3), ("s3", 0)]
+
+
+@pytest.mark.parametrize("bad", ["s1", [["s1"]], [["s1", -1]], [[1, 2]], [["s1", True]], {"s1": 2}])
+def test_a_malformed_session_list_is_refused_by_name(bad: object) -> None:
+    router = prefix_policy()
+    with pytest.raises(ValueError, match="recent_sessions"):
+        router.apply_report("a", {**report("a", [], at=1.0), "recent_sessions": bad}, now=1.0)
+
+
+def test_a_new_replica_takes_only_the_sessions_whose_home_it_becomes() -> None:
+    sessions = [f"user-{i}" for i in range(400)]
+    before = {s: session_home(s, ["a", "b", "c"]) for s in sessions}
+    after = {s: session_home(s, ["a", "b", "c", "d"]) for s in sessions}
+    moved = [s for s in sessions if before[s] != after[s]]
+    assert all(after[s] == "d" for s in moved)
+    assert 60 < len(moved) < 140  # about a quarter
+    assert session_home("user-1", []) is None
 
 
 def test_a_session_leaves_its_replica_when_the_cost_says_so() -> None:

@@ -50,7 +50,8 @@ def test_affinity_same_system_prompt_goes_to_the_same_replica() -> None:
         policy.on_request_completed(f"q{i}", now=i + 0.5)  # light load: affinity must win
         chosen.append(replica)
     assert len(set(chosen)) == 1
-    assert policy.counters == {"fallback": 1, "prefix": 19}
+    # The first request: no replica holds it yet, so it goes to its first block's home.
+    assert policy.counters == {"prefix_home": 1, "prefix": 19}
 
 
 def test_prefix_semantics_stop_at_the_first_missing_block() -> None:
@@ -177,7 +178,8 @@ def test_fallback_spreads_random_prompts_between_two_replicas() -> None:
         if len(in_flight) > 8:  # about 8 requests in flight at any time
             policy.on_request_completed(in_flight.pop(rng.randrange(len(in_flight))), float(i))
     assert max(counts.values()) / 1000 <= 0.65
-    assert policy.counters == {"fallback": 1000}
+    assert set(policy.counters) == {"prefix_home", "fallback"}
+    assert sum(policy.counters.values()) == 1000
 
 
 def test_power_of_two_without_prefix_information() -> None:
@@ -194,10 +196,11 @@ def test_min_match_blocks_threshold() -> None:
     policy.apply_report("a", report("a", H[:3], at=1.0, running=1), now=1.0)
     policy.apply_report("b", report("b", [], at=1.0), now=1.0)
     policy.rank(["a", "b"], H, now=1.0)
-    assert policy.counters == {"fallback": 1}
+    no_match = dict(policy.counters)
+    assert sum(no_match.values()) == 1 and set(no_match) <= {"prefix_home", "fallback"}
     policy.apply_report("a", report("a", H[:4], at=2.0, running=1), now=2.0)
     assert first(policy.rank(["a", "b"], H, now=2.0)) == "a"
-    assert policy.counters == {"fallback": 1, "prefix": 1}
+    assert policy.counters == {**no_match, "prefix": 1}
 
 
 def test_min_match_zero_joins_the_shortest_queue() -> None:
@@ -309,7 +312,7 @@ def test_rank_is_a_permutation_with_hot_replicas_last_and_costs_sorted(
     ranks = policy.rank(names, H[:n], now=1.0)
     assert all(len(rank) == 1 for rank in ranks)
     assert sorted(r[0] for r in ranks) == sorted(names)
-    if policy.counters.get("fallback"):
+    if policy.counters.get("fallback") or policy.counters.get("prefix_home"):
         return
     scores = {s.replica_id: s for s in policy.score(names, H[:n], now=1.0)}
     ordered = [scores[r[0]] for r in ranks]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.attention.base import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionPlan
 
 BS, HEADS, KV_HEADS, DIM, NUM_BLOCKS = 4, 4, 2, 8, 32
 
@@ -122,5 +122,5 @@ def test_windows_and_soft_capping_match_dense_attention(window, softcap):
         torch.testing.assert_close(out[qsl[i] : qsl[i + 1]], expected, atol=1e-5, rtol=1e-5)
     if window is not None:
         # Decodes gather only the blocks that hold their windows.
-        tables, _ = meta.extra[("decode_window", window)]
+        tables, _ = meta.plan_as(TorchAttentionPlan).decode_windows[window]
         assert tables.shape[1] == min(-(-17 // BS), (window - 1) // BS + 2)

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import native
 from engine.cpuinfo import cpu_flags
+from engine.kernels import native
 from engine.model import fused
 from engine.model import linear as lin
 

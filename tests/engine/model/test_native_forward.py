@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import native
+from engine.attention.cpu_backend import CpuAttentionPlan
+from engine.kernels import native
 from engine.model.linear import decode_max_rows
 from engine.model_runner import ScheduledSeq
 from tests.helpers import make_tiny_llama
@@ -84,9 +85,9 @@ def test_a_prefill_chunk_runs_in_the_stack_exactly_where_the_kernel_takes_it(tin
     kv = engine.runner.kv_caches
     got = model.native_forward.run(batch.input_ids, batch.positions, kv, batch.meta)
     if not native.bf16_prefill_preferred():
-        assert batch.meta.extra["sdpa_seqs"] and got is None
+        assert batch.meta.plan_as(CpuAttentionPlan).sdpa_seqs and got is None
         return
-    assert batch.meta.extra["sdpa_seqs"] == [] and got is not None
+    assert batch.meta.plan_as(CpuAttentionPlan).sdpa_seqs == [] and got is not None
     model.use_native_forward = False
     expected = model(batch.input_ids, batch.positions, kv, batch.meta)
     assert torch.equal(got, expected)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.attention import kernel_cache, native
+from engine.kernels import kernel_cache, native
 
 CC = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 pytestmark = pytest.mark.skipif(CC is None, reason="needs a C compiler")

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import kernel_cache
 from engine.cpuinfo import cpu_flags
+from engine.kernels import kernel_cache
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from deployments.metrics import ReplicaMetrics
-from engine.attention import native
+from engine.kernels import native
 from tests.deployments.support import parse_metrics, total
 
 

@@ -1,0 +1,110 @@
+"""Each backend's per-step plan: what ``prepare`` derives from the batch layout, and that a
+backend reads only a plan of its own kind."""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import pytest
+import torch
+
+from engine.attention.base import AttentionMetadata
+from engine.attention.cpu_backend import CpuAttentionBackend, CpuAttentionPlan
+from engine.attention.flash_backend import FlashAttentionPlan, flash_plan
+from engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionPlan
+from engine.kernels import native
+from tests.engine.attention.test_torch_backend import DIM, dense_attention, mixed_batch
+
+needs_kernel = pytest.mark.skipif(not native.available(), reason="needs the native kernels")
+
+# Two decodes, a chunk after cached context, and a whole prefill of more (query, key) pairs
+# (91 * 91 - 91 * 90 / 2 = 4186) than the native kernel takes in float32 and float16.
+SEQS = [(5, 1), (9, 1), (12, 4), (91, 91)]
+
+
+def _layout(block_size: int, seq_lens: list[int], qlens: list[int]) -> AttentionMetadata:
+    qsl = [0, *accumulate(qlens)]
+    width = max(-(-n // block_size) for n in seq_lens)
+    tables = torch.arange(len(seq_lens) * width).view(len(seq_lens), width)
+    return AttentionMetadata(
+        num_tokens=qsl[-1],
+        num_decodes=sum(q == 1 for q in qlens),
+        block_size=block_size,
+        slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl),
+        seq_lens=torch.tensor(seq_lens),
+        block_tables=tables,
+        max_query_len=max(qlens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_list=qsl,
+        seq_lens_list=seq_lens,
+    )
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cpu_plan_splits_the_step_and_attends_like_dense_attention(dtype):
+    gen = torch.Generator().manual_seed(2)
+    step, (_, full_k, full_v, q_parts, qsl) = mixed_batch(SEQS, 2, gen)
+    q, k, v, k_cache, v_cache = (t.to(dtype) for t in step[:5])
+    meta = step[5]
+    backend = CpuAttentionBackend(dtype)
+    backend.prepare(meta)
+    plan = meta.plan_as(CpuAttentionPlan)
+    # The long prefill goes to SDPA; the rest is one native call, in step order.
+    assert plan.sdpa_seqs == [3] and plan.shared_prefix_tokens == 0
+    assert plan.native_seqs is not None
+    assert plan.native_seqs.query_start.tolist() == qsl[:3]
+    assert plan.native_seqs.query_len.tolist() == [1, 1, 4]
+    assert plan.native_seqs.seq_lens.tolist() == [5, 9, 12]
+    assert backend.native_step(meta) is None  # part of the step is not native
+
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, DIM**-0.5)
+    # float16 has no native path: the reference plan is made for the step, once.
+    assert (plan.reference is not None) == (dtype == torch.float16)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 5e-3, "rtol": 5e-3}
+    for i in range(len(SEQS)):
+        # In float32 from the inputs as the backend saw them (rounded to ``dtype``).
+        qi, ki, vi = (t.to(dtype).float() for t in (q_parts[i], full_k[i], full_v[i]))
+        got = out[qsl[i] : qsl[i + 1]].float()
+        torch.testing.assert_close(got, dense_attention(qi, ki, vi), **tol)
+
+
+def test_torch_plan_masks_each_decode_to_its_context():
+    meta = _layout(4, [5, 9, 12, 7], [1, 1, 4, 7])
+    TorchAttentionBackend().prepare(meta)
+    plan = meta.plan_as(TorchAttentionPlan)
+    assert plan.decode_block_tables is not None and plan.decode_mask is not None
+    # cdiv(9, 4) = 3 blocks cover the longest decode.
+    torch.testing.assert_close(plan.decode_block_tables, meta.block_tables[:2, :3])
+    assert plan.decode_mask.shape == (2, 1, 1, 12)
+    assert plan.decode_mask.flatten(1).sum(1).tolist() == [5, 9]
+    assert plan.decode_windows == {}
+
+    prefills_only = _layout(4, [12, 7], [4, 7])
+    TorchAttentionBackend().prepare(prefills_only)
+    assert prefills_only.plan == TorchAttentionPlan()
+
+
+def test_flash_plan_is_the_kernels_int32_view_of_the_step():
+    seq_lens, qlens = [40, 17, 33], [1, 17, 8]
+    meta = _layout(16, seq_lens, qlens)
+    plan = flash_plan(meta)
+    assert isinstance(plan, FlashAttentionPlan)
+    assert plan.cu_seqlens_q.dtype == plan.cu_seqlens_k.dtype == torch.int32
+    assert plan.block_table.dtype == torch.int32
+    assert plan.cu_seqlens_q.tolist() == [0, 1, 18, 26]
+    assert plan.cu_seqlens_k.tolist() == [0, 40, 57, 90]
+    assert torch.equal(plan.block_table.long(), meta.block_tables)
+
+    with pytest.raises(ValueError, match="block_size"):
+        flash_plan(_layout(8, seq_lens, qlens))
+
+
+def test_a_backend_reads_only_a_plan_of_its_own_kind():
+    meta = _layout(4, [5, 12], [1, 4])
+    with pytest.raises(TypeError, match="NoneType"):
+        meta.plan_as(TorchAttentionPlan)
+    TorchAttentionBackend().prepare(meta)
+    with pytest.raises(TypeError, match="TorchAttentionPlan, not a CpuAttentionPlan"):
+        meta.plan_as(CpuAttentionPlan)
