@@ -77,6 +77,7 @@ def test_engine_config_carries_every_engine_arg_and_the_top_level_ones() -> None
         "max_seqs_per_group": 2,
         "watermark": 0.1,
         "adaptive_watermark": False,
+        "async_scheduling": True,
         "attention_backend": "torch",
         "num_threads": 3,
         "seed": 7,
