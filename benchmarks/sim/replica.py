@@ -43,6 +43,7 @@ class SimRequest:
         "output_len",
         "num_output_tokens",
         "num_computed_tokens",
+        "num_inflight_tokens",
         "status",
         "arrival_time",
         "priority",
@@ -66,6 +67,8 @@ class SimRequest:
         self.output_len = spec.output_len
         self.num_output_tokens = 0
         self.num_computed_tokens = 0
+        # The simulator steps serially: no token is ever in flight (engine.step_pipeline).
+        self.num_inflight_tokens = 0
         self.status = RequestStatus.WAITING
         self.arrival_time = spec.arrival
         self.priority = 0
