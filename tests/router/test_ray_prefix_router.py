@@ -13,7 +13,6 @@ from pydantic import ValidationError
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
     PrefixCacheAffinityRouter,
 )
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
 from deployments.admission import Admission
 from deployments.config import AppArgs
@@ -21,23 +20,7 @@ from deployments.engine_request import EngineRequest
 from deployments.generation import Generation, prompt_text
 from deployments.request_router import request_router_config
 from deployments.validation import RequestValidator
-from tests.router.test_request_router import pending, run
-
-DEPLOYMENT = DeploymentID(name="Engine", app_name="prefixserve")
-
-
-def ray_router(config: Any) -> Any:
-    """Ray's router class as Serve loads it from the deployment config, built as Serve's Router
-    builds it (``initialize_state`` is left out: it starts Ray's prefix tree actor)."""
-    return config.get_request_router_class()(
-        deployment_id=DEPLOYMENT,
-        handle_source=DeploymentHandleSource.REPLICA,
-        use_replica_queue_len_cache=True,
-        self_node_id="node",
-        prefer_local_node_routing=False,
-        prefer_local_az_routing=False,
-        self_availability_zone=None,
-    )
+from tests.router.test_request_router import build_router, pending, run
 
 
 def test_the_policy_plugs_rays_router_with_its_kwargs() -> None:
@@ -69,7 +52,7 @@ def test_config_names_the_field_of_a_bad_value() -> None:
 
 def test_rays_router_reads_the_prompt_text_of_our_request() -> None:
     async def body() -> None:
-        router = ray_router(request_router_config("ray_prefix_affinity", {}))
+        router = build_router(request_router_config("ray_prefix_affinity", {}))
         text = "<|im_start|>system\nYou are a cache.<|im_end|>\n"
         req = EngineRequest("r1", [1, 2, 3], block_hashes=[7], prompt=text)
         assert router._extract_text_from_request(pending(req)) == text

@@ -66,12 +66,11 @@ def pending(arg: Any, request_id: str = "r1", session_id: str = "") -> PendingRe
     )
 
 
-def make_router(policy: str = "prefix_aware", kv_sharing: bool = False, **router_args: Any) -> Any:
-    config = request_router_config(
-        policy, RouterArgs(**router_args).model_dump(), 0.5, kv_sharing=kv_sharing
-    )
+def build_router(config: RequestRouterConfig) -> Any:
+    """The config's router class, constructed as Serve's Router constructs it (its state is
+    not initialized)."""
     router_cls = config.get_request_router_class()  # cloudpickled by value, as Serve ships it
-    router = router_cls(
+    return router_cls(
         deployment_id=DEPLOYMENT,
         handle_source=DeploymentHandleSource.REPLICA,
         use_replica_queue_len_cache=True,
@@ -81,6 +80,13 @@ def make_router(policy: str = "prefix_aware", kv_sharing: bool = False, **router
         prefer_local_az_routing=False,
         self_availability_zone=None,
     )
+
+
+def make_router(policy: str = "prefix_aware", kv_sharing: bool = False, **router_args: Any) -> Any:
+    config = request_router_config(
+        policy, RouterArgs(**router_args).model_dump(), 0.5, kv_sharing=kv_sharing
+    )
+    router = build_router(config)
     router.initialize_state(**config.request_router_kwargs)
     return router
 
