@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.sim.cluster import Cluster, ClusterConfig
-from benchmarks.sim.ideal import ideal_hit_ratio
-from benchmarks.sim.metrics import per_replica, summarize_run, ttfts
+from benchmarks.sim.ideal import ideal_hit_ratio, ttft_floors_s
+from benchmarks.sim.metrics import distribution_ms, per_replica, summarize_run, ttfts
 from benchmarks.sim.profile import DEFAULT_PROFILE, Profile
 from benchmarks.sim.ray_policies import PORTS
 from benchmarks.sim.trace import SimRequestSpec, distinct_blocks, load_trace
@@ -200,10 +200,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     sizes = args.sweep or [args.replicas]
     sharing_modes = [False, True] if args.both_sharing else [args.kv_sharing]
     ideal_cache: dict[int, float] = {}
+    floor_cache: dict[int, dict[str, float | None]] = {}
     runs: list[dict[str, Any]] = []
     for n in sizes:
         if n * capacity not in ideal_cache:
             ideal_cache[n * capacity] = ideal_hit_ratio(specs, n * capacity, args.block_tokens)
+            floors = ttft_floors_s(specs, n * capacity, args.block_tokens, profile)
+            floor_cache[n * capacity] = distribution_ms(floors)
         for sharing in sharing_modes:
             for policy in args.policy:
                 config = ClusterConfig(
@@ -222,6 +225,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 )
                 run = run_one(specs, profile, config)
                 run["ideal_hit_ratio"] = ideal_cache[n * capacity]
+                run["ttft_floor_ms"] = floor_cache[n * capacity]
                 run["hit_ratio_vs_ideal"] = (
                     run["hit_ratio"] / run["ideal_hit_ratio"] if run["ideal_hit_ratio"] else None
                 )
@@ -281,7 +285,8 @@ def _one_line(run: dict[str, Any]) -> str:
     return (
         f"N={run['replicas']:<4} {run['policy'] + sharing:<16} hit {run['hit_ratio']:.3f} "
         f"(ideal {run['ideal_hit_ratio']:.3f}, {run['hit_ratio_vs_ideal']:.1%}) "
-        f"TTFT p50/p99 {run['ttft_ms']['p50']:.0f}/{run['ttft_ms']['p99']:.0f} ms  "
+        f"TTFT p50/p99 {run['ttft_ms']['p50']:.0f}/{run['ttft_ms']['p99']:.0f} ms "
+        f"(floor {run['ttft_floor_ms']['p50']:.0f}/{run['ttft_floor_ms']['p99']:.0f})  "
         f"E2E p50/p99 {run['e2e_ms']['p50']:.0f}/{run['e2e_ms']['p99']:.0f} ms  "
         f"{run['request_throughput']:.2f} req/s  util {run['utilization']['mean']:.2f}  busy max/mean "
         f"{run['busy_s_per_replica']['max_over_mean']:.2f}  reqs max/mean "

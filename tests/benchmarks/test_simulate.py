@@ -12,7 +12,7 @@ import pytest
 from benchmarks import simulate
 from benchmarks.calibrate import StepSample, fit_step_cost, prefill_pairs
 from benchmarks.sim.cluster import Cluster, ClusterConfig, ClusterRun
-from benchmarks.sim.ideal import ideal_hit_ratio
+from benchmarks.sim.ideal import ideal_hit_ratio, ttft_floors_s
 from benchmarks.sim.metrics import summarize_run
 from benchmarks.sim.profile import Profile, StepCost
 from benchmarks.sim.trace import SimRequestSpec, distinct_blocks, load_trace
@@ -57,6 +57,34 @@ def _run(
 
 def _hit(run: ClusterRun) -> float:
     return summarize_run(run)["hit_ratio"]
+
+
+def test_ttft_floor_is_what_an_idle_replica_gives_each_request_alone(tmp_path: Path) -> None:
+    # Requests 10 s apart on one replica never share a step, so each one's simulated time to
+    # first token is its floor: prefill of what the cache misses, in budget-sized chunks.
+    records = [
+        _record(10_000 * 0, [*range(40)]),  # 40 blocks: 2 chunks of the 512-token budget
+        _record(10_000 * 1, [*range(40), 90]),  # the same 40 blocks hit, then a new one
+        _record(10_000 * 2, [7, 8]),  # cold
+    ]
+    specs = load_trace(_write_trace(tmp_path / "t.jsonl", records), block_tokens=BLOCK)
+    profile = Profile(
+        "test",
+        StepCost(base_s=0.001, prefill_token_s=1e-5, prefill_pair_s=1e-8, decode_seq_s=2e-4),
+        max_num_batched_tokens=512,
+    )
+    config = ClusterConfig(replicas=1, capacity_blocks=1000, block_tokens=BLOCK)
+    run = Cluster(profile, config).run(specs)
+    simulated = [r.first_token_time - r.arrival_time for r in run.requests]
+    floors = ttft_floors_s(specs, 1000, BLOCK, profile)
+    assert floors == pytest.approx(simulated, rel=1e-9)
+    # By hand: the first request's prompt takes a 512-token chunk, then the rest.
+    rest = specs[0].prompt_len - 512
+    assert 0 < rest < 512
+    c = profile.step
+    first = c.step_s(512, 512 * 256.5, 0, 0) + c.step_s(rest, rest * (512 + (rest + 1) / 2), 0, 0)
+    assert floors[0] == pytest.approx(first)
+    assert floors[1] < floors[0] / 5  # the second request prefills only its new block
 
 
 def test_one_shared_prefix_hits_all_but_the_first(tmp_path: Path) -> None:
