@@ -42,7 +42,7 @@ from deployments.engine_request import (
 )
 from deployments.fault_injection import install_stall_hook
 from deployments.kv_sharing import DeploymentActor, KVSharing
-from deployments.metrics import ReplicaMetrics
+from deployments.metrics import NAMESPACE_MISMATCH_DOC, ReplicaMetrics
 from deployments.replica_report import ReplicaReporter, detached
 from deployments.stats_log import EngineStatsLog
 from deployments.stream_items import delta_item, timeout_item
@@ -337,6 +337,10 @@ class EngineReplica:
         hashed under the same one (the normal case), else computed here."""
         if req.kv_namespace == self.engine.kv_namespace:
             return req.block_hashes
+        if req.kv_namespace is not None:  # a sender that has not yet seen a redeploy
+            self.metrics.counter(
+                "prefixserve_kv_namespace_mismatch", NAMESPACE_MISMATCH_DOC
+            ).labels(replica=self.replica_id).inc()
         root = self.engine.hash_root(req.cache_salt)
         return compute_block_hashes(req.prompt_token_ids, self.engine.block_size, root)
 

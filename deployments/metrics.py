@@ -37,6 +37,13 @@ LATENCY_BUCKETS = (
 Snapshot = list[dict[str, Any]]
 
 
+NAMESPACE_MISMATCH_DOC = (
+    "Requests whose block hashes were made under another KV namespace (other weights, dtype or "
+    "KV layout, e.g. sent before the sender saw a redeploy): rehashed under the replica's own, "
+    "so no block of the other namespace is looked up."
+)
+
+
 class ReplicaMetrics:
     """The metrics of one engine replica."""
 

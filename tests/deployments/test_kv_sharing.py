@@ -194,17 +194,23 @@ def test_rolling_update_to_another_dtype_never_imports_old_kv(
     serve_instance, tiny_llama_with_tokenizer, smollm2_tokenizer
 ):
     """A live app redeployed from float32 to bfloat16 under the same model name and hash key:
-    the bf16 replicas never take the fp32 replicas' published blocks."""
+    the bf16 replicas never take the fp32 replicas' published blocks, whether the sender hashed
+    the prompt under the new namespace or still under the old one (a sender that has not yet
+    seen the redeploy), which the replica counts and rehashes."""
+    from deployments.engine_request import EngineRequest, StreamItem
     from engine import LLM, SamplingParams
+    from engine.block_hash import compute_block_hashes, hash_key, hash_root
 
-    args = {**_args(tiny_llama_with_tokenizer), "kv_hash_key": "a-fixed-key-for-both-deploys"}
+    key = "a-fixed-key-for-both-deploys"
+    args = {**_args(tiny_llama_with_tokenizer), "kv_hash_key": key}
     # One replica is enough: the new one finds the old one's blocks in the directory or not.
     deploy(serve_instance, args, name=APP, num_replicas=1)
     try:
         rng = random.Random(9)
-        prompt = [rng.randrange(100, 40000) for _ in range(600)]
-        _complete(serve_instance, prompt)
-        _wait_published(min_entries=37)
+        prompts = [[rng.randrange(100, 40000) for _ in range(600)] for _ in range(2)]
+        for prompt in prompts:
+            _complete(serve_instance, prompt)
+        _wait_published(min_entries=2 * 37)
         handle = serve.get_deployment_handle("Engine", APP)
         before = handle.kv_namespace.remote().result()
         assert "dtype=float32" in before
@@ -212,13 +218,36 @@ def test_rolling_update_to_another_dtype_never_imports_old_kv(
         args["engine"] = {**args["engine"], "dtype": "bfloat16"}
         deploy(serve_instance, args, name=APP, num_replicas=1)
         # Another namespace: no block hash of the new replica can name an old block.
-        after_ns = serve.get_deployment_handle("Engine", APP).kv_namespace.remote().result()
+        handle = serve.get_deployment_handle("Engine", APP)
+        after_ns = handle.kv_namespace.remote().result()
         assert after_ns != before and "dtype=bfloat16" in after_ns
-        after = _complete(serve_instance, prompt)
-        assert after.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        sampling = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
         expected = LLM(
             model=str(tiny_llama_with_tokenizer), dtype="bfloat16", num_kv_blocks=64
-        ).generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
-        assert after.json()["choices"][0]["text"] == expected.text
+        ).generate(prompts, sampling)
+        after = _complete(serve_instance, prompts[0])
+        assert after.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert after.json()["choices"][0]["text"] == expected[0].text
+
+        # The second prompt as a sender still on the old namespace would send it: the fp32
+        # replica's hashes, which name the blocks it published.
+        mismatches = total(metrics(serve_instance), "prefixserve_kv_namespace_mismatch_total")
+        stale = EngineRequest(
+            request_id="stale-sender",
+            prompt_token_ids=prompts[1],
+            sampling=sampling,
+            block_hashes=compute_block_hashes(prompts[1], 16, hash_root(before, hash_key(key))),
+            kv_namespace=before,
+        )
+        items = list(handle.options(stream=True).generate.remote(stale))
+        assert all(isinstance(i, StreamItem) for i in items), items
+        assert items[-1].done and items[-1].cached_tokens == 0
+        assert "".join(i.text for i in items) == expected[1].text
+        deadline = time.monotonic() + 10
+        while (
+            total(metrics(serve_instance), "prefixserve_kv_namespace_mismatch_total") <= mismatches
+        ):
+            assert time.monotonic() < deadline, "the stale namespace was not counted"
+            time.sleep(0.5)
     finally:
         undeploy(APP)
