@@ -12,6 +12,7 @@ import ray
 from ray import serve
 
 from tests.deployments.conftest import deploy, undeploy
+from tests.deployments.support import wait_until_idle
 from tests.deployments.test_serving import metrics, total
 
 pytestmark = pytest.mark.ray
@@ -249,5 +250,7 @@ def test_rolling_update_to_another_dtype_never_imports_old_kv(
         ):
             assert time.monotonic() < deadline, "the stale namespace was not counted"
             time.sleep(0.5)
+        # Nothing runs and no KV block is held any more: none leaked on the new replica.
+        assert not any(wait_until_idle(serve_instance).values())
     finally:
         undeploy(APP)
