@@ -13,9 +13,11 @@ copy of its bytes), and the bytes held by fetches at once are bounded (``max_imp
 past it a request recomputes). Entries whose layout differs from this engine's are never
 fetched; the engine checks the data's dtype and shape again before it allocates anything
 (``engine.kv_transfer.check_layout``). The engine then takes the fetched blocks through
-``load`` when the request is added. Any failure (owner died, object lost, timeout, directory
-gone) only means the prefix is recomputed; an object that could not be fetched is dropped from
-the directory, and nothing else.
+``load`` when the request is added. Each complete fetch is timed, apart for objects published
+on this replica's Ray node and on others (``deployments.import_cost``; the directory records
+the publisher's node), for the routers' pricing. Any failure (owner died, object lost, timeout,
+directory gone) only means the prefix is recomputed; an object that could not be fetched is
+dropped from the directory, and nothing else.
 
 Directory loss: every directory call that fails resets the handle, so the next one resolves the
 actor again (Serve recreates a deployment actor that died). The new directory starts empty and
