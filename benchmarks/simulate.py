@@ -34,11 +34,18 @@ def run_one(
     """Simulate one cluster; the summary plus its configuration and private plot series."""
     run = Cluster(profile, config).run(specs)
     summary = summarize_run(run)
+    # Only with nodes modelled, so that the default output stays as it was.
+    topology: dict[str, Any] = {}
+    if config.replicas_per_node is not None:
+        topology["replicas_per_node"] = config.replicas_per_node
+        if run.directory is not None:
+            topology["cross_node_fetched_blocks"] = run.directory.imported_cross_node_blocks
     return {
         "policy": config.policy,
         "replicas": config.replicas,
         "kv_sharing": config.kv_sharing,
         "capacity_blocks": config.capacity_blocks,
+        **topology,
         **summary,
         "_ttfts": ttfts(run),
         "_per_replica": per_replica(run),
@@ -104,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-directory-hint", action="store_true",
                    help="do not tell the router which blocks the directory holds")  # fmt: skip
     c.add_argument("--max-ongoing-requests", type=int, default=256)
+    c.add_argument("--replicas-per-node", type=int, default=None,
+                   help="replicas per Ray node (default: all on one node, no node ids)")  # fmt: skip
+    c.add_argument("--cross-node-transfer-block-s", type=float, default=None,
+                   help="seconds to import one block published on another node (default: the "
+                   "profile's, else its same-node time plus the measured extra)")  # fmt: skip
     c.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, help="cost profile JSON")
     c.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="override the profile's token budget")  # fmt: skip
@@ -131,6 +143,12 @@ def _profile(args: argparse.Namespace) -> Profile:
         changes["step"] = {k: v * args.slowdown for k, v in profile.step.__dict__.items()}
         changes["transfer_base_s"] = profile.transfer_base_s * args.slowdown
         changes["transfer_block_s"] = profile.transfer_block_s * args.slowdown
+        if profile.transfer_cross_node_block_s is not None:
+            changes["transfer_cross_node_block_s"] = (
+                profile.transfer_cross_node_block_s * args.slowdown
+            )
+    if args.cross_node_transfer_block_s is not None:
+        changes["transfer_cross_node_block_s"] = args.cross_node_transfer_block_s
     if changes:
         profile = Profile.from_json({**profile.to_json(), **changes})
     return profile
@@ -222,6 +240,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     directory_hint=not args.no_directory_hint,
                     max_ongoing_requests=args.max_ongoing_requests,
                     seed=args.seed,
+                    replicas_per_node=args.replicas_per_node,
                 )
                 run = run_one(specs, profile, config)
                 run["ideal_hit_ratio"] = ideal_cache[n * capacity]

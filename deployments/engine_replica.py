@@ -76,6 +76,8 @@ class EngineReplica:
         self.args = AppArgs.model_validate(args)
         request_logging.install()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        # Reported to the routers, which price KV imports by node (router.topology).
+        self.node_id: str = ray.get_runtime_context().get_node_id()
         # None: tracing is off (nothing of OpenTelemetry is imported then).
         self.tracer = tracing.setup(self.args.otlp_traces_endpoint)
         self.started_at = time.time()
@@ -136,6 +138,7 @@ class EngineReplica:
                 self.args.kv_sharing,
                 DeploymentActor(KV_DIRECTORY_ACTOR),
                 self.metrics,
+                node_id=self.node_id,
             )
         self._routing_stats: dict[str, Any] = self._routing_snapshot(self.engine)
         # Warmed up on the engine thread before this constructor returns: Serve reports the
@@ -351,6 +354,9 @@ class EngineReplica:
     # -- reporting -------------------------------------------------------------------------------
     def _routing_snapshot(self, engine: LLMEngine) -> dict[str, Any]:
         """Runs on the engine thread, where the block pool is consistent."""
+        same, cross = (
+            (None, None) if self.kv_sharing is None else self.kv_sharing.transfer_cost_ratios()
+        )
         return {
             "replica_id": self.replica_id,
             "started_at": self.started_at,
@@ -362,9 +368,9 @@ class EngineReplica:
             "kv_total_blocks": engine.kv.pool.num_blocks,
             "cached_block_hashes": engine.kv.pool.cached_hashes(),
             "reported_at": time.time(),
-            "transfer_cost_ratio": None
-            if self.kv_sharing is None
-            else self.kv_sharing.transfer_cost_ratio(),
+            "transfer_cost_ratio": same,
+            "cross_node_transfer_cost_ratio": cross,
+            "node_id": self.node_id,
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:

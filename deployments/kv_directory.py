@@ -3,7 +3,9 @@
 One actor per application. A replica publishes a run of blocks as one object (at most
 ``KVSharingArgs.max_blocks_per_object`` blocks); an entry maps a block hash to that object and
 the block's index in it. Every object records the layout of its blocks (dtype and block shape),
-its size, and the replica that computed and owns it.
+its size, the replica that computed and owns it, and the Ray node that replica runs on (an
+importer on that node reads the object from its own node's object store; one elsewhere fetches
+it across nodes, which costs more).
 
 Invariants:
 
@@ -46,6 +48,7 @@ class StoredObject:
     owner: str
     layout: BlockLayout
     hashes: list[int]  # the entries that refer to it
+    node_id: str | None = None  # the owner's Ray node (None: not said)
 
 
 @dataclass
@@ -66,6 +69,7 @@ class Located:
     owner: str
     layout: BlockLayout
     block_nbytes: int
+    node_id: str | None = None  # the publishing replica's Ray node (None: not said)
 
 
 class KVDirectoryState:
@@ -102,10 +106,12 @@ class KVDirectoryState:
         ref: list[Any],
         block_nbytes: int,
         layout: BlockLayout,
+        node_id: str | None = None,
     ) -> int:
-        """Register ``hashes[i]`` as block ``i`` of the object ``ref[0]``. Hashes already present
-        keep their existing entry; an object that adds none (or is larger than the whole budget)
-        is not kept. Returns how many entries were added."""
+        """Register ``hashes[i]`` as block ``i`` of the object ``ref[0]``, put by ``owner`` on
+        the Ray node ``node_id``. Hashes already present keep their existing entry; an object
+        that adds none (or is larger than the whole budget) is not kept. Returns how many
+        entries were added."""
         now = time.time()
         self.heartbeats[owner] = now
         new = [(i, h) for i, h in enumerate(hashes) if h not in self.entries]
@@ -114,7 +120,7 @@ class KVDirectoryState:
             return 0
         object_id = next(self._ids)
         self.objects[object_id] = StoredObject(
-            ref, nbytes, block_nbytes, owner, layout, [h for _, h in new]
+            ref, nbytes, block_nbytes, owner, layout, [h for _, h in new], node_id
         )
         self.used_bytes += nbytes
         for i, h in new:
@@ -154,7 +160,11 @@ class KVDirectoryState:
             if e is None:
                 break
             o = self.objects[e.object_id]
-            out.append(Located(h, e.object_id, o.ref, e.index, o.owner, o.layout, o.block_nbytes))
+            out.append(
+                Located(
+                    h, e.object_id, o.ref, e.index, o.owner, o.layout, o.block_nbytes, o.node_id
+                )
+            )
             e.last_access = now
             if self.eviction == "lru":
                 self.entries.move_to_end(h)
@@ -169,6 +179,12 @@ class KVDirectoryState:
                 break
             n += 1
         return n
+
+    def node_of(self, block_hash: int) -> str | None:
+        """The Ray node the object holding ``block_hash`` was published on (None: absent or not
+        said); no use recorded."""
+        e = self.entries.get(block_hash)
+        return None if e is None else self.objects[e.object_id].node_id
 
     def stats(self) -> dict[str, Any]:
         owners: dict[str, int] = {}

@@ -13,9 +13,11 @@ copy of its bytes), and the bytes held by fetches at once are bounded (``max_imp
 past it a request recomputes). Entries whose layout differs from this engine's are never
 fetched; the engine checks the data's dtype and shape again before it allocates anything
 (``engine.kv_transfer.check_layout``). The engine then takes the fetched blocks through
-``load`` when the request is added. Any failure (owner died, object lost, timeout, directory
-gone) only means the prefix is recomputed; an object that could not be fetched is dropped from
-the directory, and nothing else.
+``load`` when the request is added. Each complete fetch is timed, apart for objects published
+on this replica's Ray node and on others (``deployments.import_cost``; the directory records
+the publisher's node), for the routers' pricing. Any failure (owner died, object lost, timeout,
+directory gone) only means the prefix is recomputed; an object that could not be fetched is
+dropped from the directory, and nothing else.
 
 Directory loss: every directory call that fails resets the handle, so the next one resolves the
 actor again (Serve recreates a deployment actor that died). The new directory starts empty and
@@ -42,6 +44,7 @@ import torch
 from ray import serve
 
 from deployments.config import KVSharingArgs
+from deployments.import_cost import ImportCost
 from deployments.kv_directory import BlockLayout, Located
 from engine.async_engine import AsyncEngine
 from engine.block_hash import BlockHash
@@ -121,8 +124,13 @@ class KVSharing(KVConnector):
         args: KVSharingArgs,
         directory: Any,
         metrics: Any,
+        node_id: str | None = None,
     ) -> None:
+        """``node_id``: the Ray node this replica runs on (default: the current process's)."""
         self.replica_id = replica_id
+        if node_id is None and ray.is_initialized():
+            node_id = ray.get_runtime_context().get_node_id()
+        self.node_id = node_id
         self.async_engine = async_engine
         self.engine = async_engine.engine
         self.args = args
@@ -135,8 +143,8 @@ class KVSharing(KVConnector):
         # Fetches in flight or recently done, by the first block they import.
         self._fetches: dict[BlockHash, asyncio.Task[Fetched | None]] = {}
         self.fetch_bytes = 0
-        # Seconds per block of recent fetches (a moving average; None: none yet).
-        self.import_s_per_block: float | None = None
+        # Seconds per block of recent fetches, from this node's object store and from others'.
+        self.import_cost = ImportCost(node_id)
 
         def counter(name: str, doc: str) -> Any:
             return metrics.counter(name, doc).labels(replica=replica_id)
@@ -219,7 +227,7 @@ class KVSharing(KVConnector):
             block_nbytes = arr.nbytes // len(found)
             added = await self.call_directory(
                 lambda d, found=found, ref=ref, n=block_nbytes: d.publish.remote(
-                    self.replica_id, found, [ref], n, self.layout
+                    self.replica_id, found, [ref], n, self.layout, self.node_id
                 )
             )
             self.published.inc(added)
@@ -292,7 +300,9 @@ class KVSharing(KVConnector):
         tasks = {oid: asyncio.ensure_future(_await(ref)) for oid, ref in refs.items()}
         _, pending = await asyncio.wait(tasks.values(), timeout=self.args.fetch_timeout_s)
         if not pending:
-            self._observe_fetch(time.perf_counter() - started, len(run))
+            self.import_cost.observe(
+                time.perf_counter() - started, len(run), (loc.node_id for loc in run)
+            )
         for t in pending:
             t.cancel()
         lost = [oid for oid, t in tasks.items() if t.done() and not t.cancelled() and t.exception()]
@@ -328,18 +338,12 @@ class KVSharing(KVConnector):
         nbytes = sum(c.nbytes for c in chunks)
         return Fetched(start, hashes, chunks, self.layout, nbytes)
 
-    def _observe_fetch(self, seconds: float, blocks: int) -> None:
-        sample = seconds / blocks
-        prev = self.import_s_per_block
-        self.import_s_per_block = sample if prev is None else prev + 0.2 * (sample - prev)
-
-    def transfer_cost_ratio(self) -> float | None:
-        """Seconds to import a block over seconds to prefill one, both as measured here (None
-        until both have been): what the router prices a directory hit at."""
+    def transfer_cost_ratios(self) -> tuple[float | None, float | None]:
+        """Seconds to import a block over seconds to prefill one, both as measured here, for
+        blocks published on this node and on another (each None until measured): what the
+        router prices a directory hit at."""
         prefill = self.engine.stats.prefill_s_per_token
-        if self.import_s_per_block is None or not prefill:
-            return None
-        return self.import_s_per_block / (prefill * self.block_size)
+        return self.import_cost.ratios(prefill * self.block_size if prefill else None)
 
     def load(self, request: Request, num_local_blocks: int) -> KVBlocks | None:
         """Engine thread: the request's fetched blocks after its ``num_local_blocks``."""

@@ -318,7 +318,10 @@ class PolicyRequestRouter(RequestRouter):
 class _HeldAnywhere:
     """With KV sharing on, a block some replica caches has (normally) been published to the KV
     directory, so any replica can import it: the union of the replicas' views stands in for the
-    directory without a round trip to it per request."""
+    directory without a round trip to it per request. A ``router.topology.BlockLocations``: the
+    nodes of the replicas that hold a block stand in for where it was published (a replica that
+    imported a block holds it too, and its node's object store usually still has a copy of the
+    fetched object)."""
 
     def __init__(self, policy: RoutingPolicy, replicas: list[str], now: float) -> None:
         self._views = [v for v in (policy.view(r) for r in replicas) if v is not None]
@@ -327,6 +330,13 @@ class _HeldAnywhere:
 
     def __contains__(self, block_hash: object) -> bool:
         return any(v.holds(block_hash, self._now, self._ttl) for v in self._views)  # type: ignore[arg-type]
+
+    def nodes(self, block_hash: int) -> frozenset[str]:
+        return frozenset(
+            v.node_id
+            for v in self._views
+            if v.node_id is not None and v.holds(block_hash, self._now, self._ttl)
+        )
 
 
 class PrefixAwareRequestRouter(PolicyRequestRouter):

@@ -17,13 +17,16 @@ from router.policies import (
 )
 from router.report import ReplicaReport
 from router.state import ClusterState, ReplicaView
+from router.topology import BlockLocations, PublishedBlocks
 
 __all__ = [
     "POLICIES",
+    "BlockLocations",
     "CandidateScore",
     "ClusterState",
     "PowerOfTwoPolicy",
     "PrefixAwarePolicy",
+    "PublishedBlocks",
     "ReplicaReport",
     "ReplicaView",
     "RoundRobinPolicy",

@@ -19,6 +19,7 @@ from router.affinity import PrefixHeat, SessionTable, prefix_home, session_home
 from router.config import RouterConfig
 from router.report import report_sessions
 from router.state import ClusterState, ReplicaView
+from router.topology import remote_block_counts, transfer_weights
 
 Ranks = list[list[str]]
 
@@ -93,7 +94,8 @@ class RoutingPolicy(ABC):
     ) -> Ranks:
         """Rank ``candidates`` for a request whose prompt has chained block hashes
         ``block_hashes`` (may be empty: no prefix information). ``directory_hashes``, if given,
-        holds (at least) those of the request's hashes the shared KV directory can supply.
+        holds (at least) those of the request's hashes the shared KV directory can supply; a
+        ``router.topology.BlockLocations`` also says which nodes published them.
         ``session`` names the conversation the request belongs to, if the client said."""
 
     def _count(self, kind: str) -> None:
@@ -178,6 +180,7 @@ class CandidateScore:
     hot: bool  # load tripped the imbalance guard
     replicate_blocks: int = 0  # blocks of a hot prefix this replica would be a new holder of
     session: bool = False  # the replica the request's session was last sent to
+    cross_node_blocks: int = 0  # of transfer_blocks, those published on other nodes only
 
 
 # Indices into the per-candidate term tuples (the hot path builds no objects).
@@ -326,7 +329,7 @@ class PrefixAwarePolicy(RoutingPolicy):
         session: str | None,
         *,
         count: bool,
-    ) -> list[tuple[str, int, int, int, int, int, float, bool, int, bool]]:
+    ) -> list[tuple[str, int, int, int, int, int, float, bool, int, bool, int]]:
         """``CandidateScore`` fields per candidate, as tuples. With ``count``, the request is
         counted towards its longest match's heat."""
         cfg = self.config
@@ -360,6 +363,12 @@ class PrefixAwarePolicy(RoutingPolicy):
         else:
             session_replica = None
         replicate_to = self._replication_depth(block_hashes, matches, now, count)
+        # Per candidate node, blocks only another node published (None: all priced same-node).
+        remote = (
+            None
+            if run_end is None
+            else remote_block_counts(block_hashes, directory_hashes, [v.node_id for v in views])
+        )
         replicate_w = min(prefill, cfg.hot_prefix_cost_per_block)
         terms = []
         for view, load, matched in zip(views, loads, matches, strict=True):
@@ -370,15 +379,25 @@ class PrefixAwarePolicy(RoutingPolicy):
             replicate = max(0, replicate_to - matched - transfer)
             uncached = n - matched - transfer - replicate
             # A replica that measured its import and prefill speeds prices a transferred block
-            # by them; the configured weight stands in until it has.
-            ratio = view.transfer_cost_ratio
-            transfer_w = cfg.transfer_cost_per_block if ratio is None else prefill * ratio
+            # by them, from its own node's object store or another's; the configured weight
+            # stands in until it has.
+            cross = 0
+            if remote is not None and transfer and view.node_id is not None:
+                counts = remote[view.node_id]
+                cross = counts[matched + transfer] - counts[matched]
+            same_w, cross_w = transfer_weights(
+                prefill,
+                cfg.transfer_cost_per_block,
+                view.transfer_cost_ratio,
+                view.cross_node_transfer_cost_ratio,
+            )
             # Queued prefill may be this request's own prefix (a burst sharing a new prompt): the
             # matched blocks are not counted against the replica, or bursts would scatter.
             queued = max(0, view.estimated_prefill_blocks - matched)
             cost = (
                 prefill * uncached
-                + transfer_w * transfer
+                + same_w * (transfer - cross)
+                + cross_w * cross
                 + replicate_w * replicate
                 + load_w * load
                 + queued_w * queued
@@ -395,6 +414,7 @@ class PrefixAwarePolicy(RoutingPolicy):
                     load > hot_above,
                     replicate,
                     is_session,
+                    cross,
                 )
             )
         return terms

@@ -7,8 +7,12 @@ Contract (a plain dict, so that it crosses process and pickling boundaries uncha
      "cached_block_hashes": list[int],   # every hash in the replica's prefix cache (full snapshot)
      "reported_at": float,               # time.time() when the snapshot was taken
      "num_pending_prefill_tokens": int,  # optional (0 if absent): prompt tokens queued for prefill
-     "transfer_cost_ratio": float,       # optional: seconds to import a block over seconds to
-                                         # prefill one, as the replica measured them
+     "transfer_cost_ratio": float,       # optional: seconds to import a block published on the
+                                         # replica's own node over seconds to prefill one, as the
+                                         # replica measured them
+     "cross_node_transfer_cost_ratio": float,  # optional: the same for blocks published on
+                                         # another node (their bytes cross object stores)
+     "node_id": str,                     # optional: the Ray node the replica runs on
      "recent_sessions": list[[str, int]]}  # optional: sessions served lately and each one's
                                          # latest prompt length in blocks, oldest first
 """
@@ -40,6 +44,8 @@ class ReplicaReport:
     reported_at: float
     num_pending_prefill_tokens: int = 0
     transfer_cost_ratio: float | None = None
+    cross_node_transfer_cost_ratio: float | None = None
+    node_id: str | None = None
 
     @property
     def load(self) -> int:
@@ -70,16 +76,11 @@ class ReplicaReport:
             raise ValueError(
                 f"routing stats: num_pending_prefill_tokens must be a non-negative int, got {pending!r}"
             )
-        ratio = stats.get("transfer_cost_ratio")
-        if ratio is not None and (
-            isinstance(ratio, bool)
-            or not isinstance(ratio, int | float)
-            or not math.isfinite(ratio)
-            or ratio < 0
-        ):
-            raise ValueError(
-                f"routing stats: transfer_cost_ratio must be a non-negative number, got {ratio!r}"
-            )
+        ratio = _optional_ratio(stats, "transfer_cost_ratio")
+        cross_ratio = _optional_ratio(stats, "cross_node_transfer_cost_ratio")
+        node_id = stats.get("node_id")
+        if node_id is not None and (not isinstance(node_id, str) or not node_id):
+            raise ValueError(f"routing stats: node_id must be a non-empty string, got {node_id!r}")
         hashes = stats["cached_block_hashes"]
         if isinstance(hashes, str | bytes) or not hasattr(hashes, "__iter__"):
             raise ValueError("routing stats: cached_block_hashes must be a list of ints")
@@ -94,8 +95,26 @@ class ReplicaReport:
             cached_block_hashes=frozenset(hashes),
             reported_at=float(stats["reported_at"]),
             num_pending_prefill_tokens=pending,
-            transfer_cost_ratio=None if ratio is None else float(ratio),
+            transfer_cost_ratio=ratio,
+            cross_node_transfer_cost_ratio=cross_ratio,
+            node_id=node_id,
         )
+
+
+def _optional_ratio(stats: Mapping[str, Any], key: str) -> float | None:
+    """``stats[key]`` as a float, None when absent; raises ValueError naming the key unless it is
+    a finite non-negative number."""
+    ratio = stats.get(key)
+    if ratio is None:
+        return None
+    if (
+        isinstance(ratio, bool)
+        or not isinstance(ratio, int | float)
+        or not math.isfinite(ratio)
+        or ratio < 0
+    ):
+        raise ValueError(f"routing stats: {key} must be a non-negative number, got {ratio!r}")
+    return float(ratio)
 
 
 MAX_REPORTED_SESSIONS = 65536

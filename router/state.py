@@ -59,6 +59,8 @@ class ReplicaView:
         "inflight_prefill",
         "unreported_prefill",
         "transfer_cost_ratio",
+        "cross_node_transfer_cost_ratio",
+        "node_id",
     )
 
     def __init__(self, replica_id: str) -> None:
@@ -81,6 +83,9 @@ class ReplicaView:
         self.inflight_prefill: dict[str, int] = {}
         # Measured import-vs-prefill cost of a block on this replica (None: not measured yet).
         self.transfer_cost_ratio: float | None = None
+        # The same for blocks published on another node, and this replica's node (None: unknown).
+        self.cross_node_transfer_cost_ratio: float | None = None
+        self.node_id: str | None = None
         self.unreported_prefill = 0
 
     @property
@@ -230,6 +235,8 @@ class ClusterState:
         view.kv_total_blocks = report.kv_total_blocks
         view.cached = report.cached_block_hashes
         view.transfer_cost_ratio = report.transfer_cost_ratio
+        view.cross_node_transfer_cost_ratio = report.cross_node_transfer_cost_ratio
+        view.node_id = report.node_id
         view.report_at = report.reported_at
         view.set_prefill(-(-report.num_pending_prefill_tokens // max(1, report.block_size)))
         view.drop_stale_decisions(now, self.decision_ttl_s, report.reported_at)

@@ -15,6 +15,12 @@ order and a run is deterministic for a seed. Four kinds:
 - ``REPORT``: every ``stats_period_s`` each replica's routing stats (the dict
   ``record_routing_stats()`` returns) go through ``policy.apply_report``. A replica where nothing
   happened since its last report is skipped: its report would repeat the last one.
+
+Nodes: with ``replicas_per_node`` set, replica ``i`` runs on node ``i // replicas_per_node``; its
+reports carry its node id and the transfer cost ratios a live replica measures (from the
+profile), the router's directory hint names the nodes blocks were published on, and blocks
+imported from another node take the profile's cross-node time. Unset, the cluster has no nodes
+and runs exactly as before nodes were modelled.
 """
 
 from __future__ import annotations
@@ -55,10 +61,13 @@ class ClusterConfig:
     directory_hint: bool = True
     max_ongoing_requests: int = 256
     seed: int = 0
+    replicas_per_node: int | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.capacity_blocks < 1 or self.block_tokens < 1:
             raise ValueError("replicas, capacity_blocks and block_tokens must be >= 1")
+        if self.replicas_per_node is not None and self.replicas_per_node < 1:
+            raise ValueError(f"replicas_per_node: must be >= 1, got {self.replicas_per_node}")
         if self.stats_period_s <= 0:
             raise ValueError(f"stats_period_s: must be > 0, got {self.stats_period_s}")
 
@@ -102,6 +111,19 @@ class Cluster:
             for i in range(config.replicas)
         ]
         self.by_id = {r.replica_id: r for r in self.replicas}
+        # Each replica's node and what its reports add (empty: no nodes modelled).
+        self.node_of: dict[str, str | None] = dict.fromkeys(self.by_id)
+        self._topology: dict[str, dict[str, Any]] = {}
+        per_node = config.replicas_per_node
+        if per_node is not None:
+            same, cross = profile.transfer_cost_ratios()
+            for i, replica in enumerate(self.replicas):
+                node = self.node_of[replica.replica_id] = f"node-{i // per_node}"
+                self._topology[replica.replica_id] = {
+                    "node_id": node,
+                    "transfer_cost_ratio": same,
+                    "cross_node_transfer_cost_ratio": cross,
+                }
         self.replica_ids = [r.replica_id for r in self.replicas]
         self.policy.update_replicas(self.replica_ids)
         if isinstance(self.policy, RayKVAwarePolicy):
@@ -142,7 +164,7 @@ class Cluster:
                 for request in first:
                     request.first_token_time = now
                     if directory is not None:
-                        directory.publish(obj, request)
+                        directory.publish(obj, request, self.node_of[obj.replica_id])
                 for request in finished:
                     request.finish_time = now
                     policy.on_request_completed(request.request_id, now)
@@ -162,7 +184,9 @@ class Cluster:
             else:  # REPORT
                 for replica in self.replicas:
                     if replica.changed:
-                        policy.apply_report(replica.replica_id, replica.report(now), now)
+                        stats = replica.report(now)
+                        stats.update(self._topology.get(replica.replica_id, ()))
+                        policy.apply_report(replica.replica_id, stats, now)
                 if remaining > 0:
                     if not heap:
                         raise RuntimeError(f"simulation stalled with {remaining} requests left")
@@ -185,7 +209,9 @@ class Cluster:
     def _route(self, request: SimRequest, now: float) -> None:
         hashes = request.spec.block_hashes
         directory = self.directory
-        hint = directory.hashes if directory is not None and self.config.directory_hint else None
+        hint: Any = None
+        if directory is not None and self.config.directory_hint:
+            hint = directory.located if self._topology else directory.hashes
         if self._rank_prompt is not None:
             ranks = self._rank_prompt(
                 self.replica_ids, hashes, request.num_prompt_tokens, now, hint
@@ -214,7 +240,9 @@ class Cluster:
             directory.imported_blocks += len(plan)
             replica.num_importing += 1
             replica.changed = True
-            at = now + self.profile.transfer_s(len(plan), self.config.block_tokens)
+            crossing = directory.cross_node_blocks(self.node_of[replica.replica_id], plan)
+            directory.imported_cross_node_blocks += crossing
+            at = now + self.profile.transfer_s(len(plan), self.config.block_tokens, crossing)
             heapq.heappush(self._heap, (at, next(self._seq), IMPORT, (replica, request, plan)))
         else:
             replica.add(request)

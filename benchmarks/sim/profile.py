@@ -14,7 +14,9 @@ enforces it), so a step never costs less than ``base_s``.
 
 KV sharing: importing ``n`` blocks from the shared directory delays the request's admission by
 ``transfer_base_s + n * transfer_block_s`` (per blocks of ``block_size`` tokens; the simulator
-scales it to its own block size).
+scales it to its own block size). Blocks published on another node cost
+``transfer_cross_node_block_s`` each instead (default: ``transfer_block_s`` plus the extra a
+fetch across object stores measured, ``CROSS_NODE_EXTRA_BLOCK_S``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ from typing import Any
 
 FEATURES = ("base_s", "prefill_token_s", "prefill_pair_s", "decode_seq_s", "decode_ctx_token_s")
 DEFAULT_PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "cpu-smollm2-bf16.json"
+# Seconds a fetch of one 16-token block of the default model (bf16, 360 KiB) takes on top of a
+# same-node read when the object lives in another node's object store (``python -m
+# benchmarks.kv_fetch_nodes``; docs/kv_sharing.md has the measurement).
+CROSS_NODE_EXTRA_BLOCK_S = 0.45e-3
 
 
 @dataclass(frozen=True)
@@ -78,15 +84,41 @@ class Profile:
     watermark: float = 0.01
     transfer_base_s: float = 0.0
     transfer_block_s: float = 0.0
+    transfer_cross_node_block_s: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
-    def transfer_s(self, num_blocks: int, block_tokens: int) -> float:
-        """Time to import ``num_blocks`` simulated blocks of ``block_tokens`` tokens each."""
+    @property
+    def cross_node_block_s(self) -> float:
+        """Seconds to import one block (of ``block_size`` tokens) published on another node."""
+        if self.transfer_cross_node_block_s is not None:
+            return self.transfer_cross_node_block_s
+        return self.transfer_block_s + CROSS_NODE_EXTRA_BLOCK_S * self.block_size / 16
+
+    def transfer_s(self, num_blocks: int, block_tokens: int, cross_node_blocks: int = 0) -> float:
+        """Time to import ``num_blocks`` simulated blocks of ``block_tokens`` tokens each, of
+        which ``cross_node_blocks`` were published on another node."""
         if num_blocks <= 0:
             return 0.0
-        return self.transfer_base_s + self.transfer_block_s * num_blocks * (
-            block_tokens / self.block_size
+        scale = block_tokens / self.block_size
+        if not cross_node_blocks:  # the arithmetic of a single-node cluster, unchanged
+            return self.transfer_base_s + self.transfer_block_s * num_blocks * scale
+        local = num_blocks - cross_node_blocks
+        return self.transfer_base_s + scale * (
+            self.transfer_block_s * local + self.cross_node_block_s * cross_node_blocks
         )
+
+    def transfer_cost_ratios(self) -> tuple[float, float]:
+        """``(same_node, cross_node)``: seconds to import a block over seconds to prefill one,
+        what a live replica reports once it has measured both."""
+        prefill = self.step.prefill_token_s * self.block_size
+        if prefill <= 0:
+            raise ValueError("profile: prefill_token_s must be > 0 to price imports")
+        return self.transfer_block_s / prefill, self.cross_node_block_s / prefill
+
+    def __post_init__(self) -> None:
+        cross = self.transfer_cross_node_block_s
+        if cross is not None and (not isinstance(cross, int | float) or cross < 0):
+            raise ValueError(f"profile transfer_cross_node_block_s: must be >= 0, got {cross!r}")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

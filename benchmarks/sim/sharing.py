@@ -13,6 +13,10 @@ import rules mirror ``deployments.kv_sharing.KVSharing``:
   at least ``min_blocks`` long. The request joins the replica's queue after the transfer time,
   with those blocks installed as free cached blocks (see ``SimReplica.install``).
 
+Nodes: each object records its publisher's node, as live. ``located`` is the router's hint with
+those nodes (``router.topology.BlockLocations``), and ``cross_node_blocks`` says how many of an
+import's blocks come from another node's object store (they take longer to fetch).
+
 Differences from the live system, all in the directory's favour: publishing is instantaneous
 (live, a background task exports and puts the blocks within tens of milliseconds), and an entry
 never disappears because its owner died.
@@ -22,8 +26,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Container
+from typing import TYPE_CHECKING
 
 from benchmarks.sim.replica import SimReplica, SimRequest
+
+if TYPE_CHECKING:
+    from deployments.kv_directory import KVDirectoryState
 
 
 class SimDirectory:
@@ -43,6 +51,7 @@ class SimDirectory:
         self.max_blocks_per_object = max_blocks_per_object
         self.layout = BlockLayout("simulated", ())
         self.imported_blocks = 0
+        self.imported_cross_node_blocks = 0
         self.imports = 0
 
     @property
@@ -50,8 +59,21 @@ class SimDirectory:
         """Every hash the directory holds (what the router's ``directory_hashes`` asks for)."""
         return self.state.entries
 
-    def publish(self, replica: SimReplica, request: SimRequest) -> int:
-        """The replica finished computing ``request``'s prompt. Returns blocks added."""
+    @property
+    def located(self) -> _Located:
+        """The directory's hashes with the node each was published on."""
+        return _Located(self.state)
+
+    def cross_node_blocks(self, node_id: str | None, hashes: list[int]) -> int:
+        """How many of ``hashes`` (present) a replica on ``node_id`` fetches from another node."""
+        if node_id is None:
+            return 0
+        node_of = self.state.node_of
+        return sum(1 for h in hashes if (n := node_of(h)) is not None and n != node_id)
+
+    def publish(self, replica: SimReplica, request: SimRequest, node_id: str | None = None) -> int:
+        """The replica (on ``node_id``) finished computing ``request``'s prompt. Returns blocks
+        added."""
         block = replica.block_tokens
         first = max(request.num_cached_tokens, 0) // block
         last = request.num_prompt_tokens // block
@@ -67,7 +89,9 @@ class SimDirectory:
             return 0
         step = self.max_blocks_per_object
         return sum(
-            self.state.publish(replica.replica_id, found[i : i + step], [None], 1, self.layout)
+            self.state.publish(
+                replica.replica_id, found[i : i + step], [None], 1, self.layout, node_id
+            )
             for i in range(0, len(found), step)
         )
 
@@ -82,3 +106,18 @@ class SimDirectory:
         if len(entries) < self.min_blocks:
             return []
         return [loc.block_hash for loc in entries]
+
+
+class _Located:
+    """A ``router.topology.BlockLocations`` over the directory's current entries."""
+
+    def __init__(self, state: KVDirectoryState) -> None:
+        self._entries = state.entries
+        self._node_of = state.node_of
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._entries
+
+    def nodes(self, block_hash: int) -> frozenset[str]:
+        node = self._node_of(block_hash)
+        return frozenset() if node is None else frozenset((node,))

@@ -122,3 +122,17 @@ def test_budget_holds_for_pinned_bytes_under_random_publish_and_evict() -> None:
 def test_rejects_unknown_policy() -> None:
     with pytest.raises(ValueError, match="eviction"):
         KVDirectoryState(eviction="random")  # type: ignore[arg-type]
+
+
+def test_every_object_records_its_publishers_node() -> None:
+    d = KVDirectoryState(capacity_bytes=1000)
+    d.publish("a", [1, 2], _ref("x"), 100, LAYOUT, "node-1")
+    d.publish("b", [2, 3], _ref("y"), 100, LAYOUT, "node-2")  # 2 keeps a's entry
+    _publish(d, "c", [4], "z", 100)  # a publisher that does not say its node
+    assert [(loc.block_hash, loc.node_id) for loc in d.lookup([1, 2, 3, 4])] == [
+        (1, "node-1"),
+        (2, "node-1"),
+        (3, "node-2"),
+        (4, None),
+    ]
+    assert [d.node_of(h) for h in (1, 3, 4, 5)] == ["node-1", "node-2", None, None]

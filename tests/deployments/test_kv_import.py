@@ -105,6 +105,10 @@ def test_a_burst_on_one_uncached_prefix_fetches_once(long_llama: Path, directory
     assert [tokens for tokens, _ in burst] == [tokens for tokens, _ in expected]
     assert _count(importer.fetches) == 1
     assert _count(importer.imported) == PREFIX_TOKENS // 16
+    # Both engines run in this process: the fetch came from the importer's own node.
+    assert importer.import_cost.node_id == ray.get_runtime_context().get_node_id()
+    assert importer.import_cost.same_node_s_per_block is not None
+    assert importer.import_cost.cross_node_s_per_block is None
     # The first request to be added installs the run; the others hit it locally.
     assert sorted(remote for _, remote in burst)[-1] == PREFIX_TOKENS
     importer.engine.kv.pool.check_invariants()

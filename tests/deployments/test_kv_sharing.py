@@ -73,8 +73,18 @@ def test_second_replica_imports_prefix(serve_instance, tiny_llama_with_tokenizer
     deploy(serve_instance, _args(tiny_llama_with_tokenizer), name=APP, engine_options=options)
     try:
         if placement == "two-nodes":
-            reports = serve.get_deployment_handle("Engine", APP).cluster_report.remote().result()
+            handle = serve.get_deployment_handle("Engine", APP)
+            reports = handle.cluster_report.remote().result()
             assert len({r["node_id"] for r in reports.values()}) == 2
+            # The routers learn each replica's real node from its routing stats.
+            stats = {}
+            for _ in range(20):
+                report = handle.record_routing_stats.remote().result()
+                stats[report["replica_id"]] = report["node_id"]
+                if len(stats) == 2:
+                    break
+            assert stats == {rid: r["node_id"] for rid, r in reports.items()}
+            assert set(stats.values()) == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         rng = random.Random(5)
         prompt = [rng.randrange(100, 40000) for _ in range(600)]
         cold = _complete(serve_instance, prompt)
