@@ -74,14 +74,23 @@ app, OpenAIRoutes = openai_routes()
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress(OpenAIRoutes):  # type: ignore[misc, valid-type]
-    def __init__(self, engine: DeploymentHandle, args: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        engine: DeploymentHandle,
+        args: dict[str, Any],
+        prefill: DeploymentHandle | None = None,
+    ) -> None:
+        """``prefill``: the Prefill deployment's handle, under prefill/decode disaggregation
+        (``deployments.disaggregation``); the Engine deployment is then the decode side."""
         self.args = AppArgs.model_validate(args)
         request_logging.install()
         self.engine = engine
-        backend = HandleBackend(engine, by_reference=self.args.handle_transport == "actor")
+        by_reference = self.args.handle_transport == "actor"
+        backend = HandleBackend(engine, by_reference=by_reference)
         self.frontend = OpenAIFrontend(
             self.args,
             backend,
             serve.get_replica_context().replica_id.unique_id,
             reports=lambda: engine.cluster_report.remote(),
+            prefill=None if prefill is None else HandleBackend(prefill, by_reference),
         )
