@@ -41,7 +41,7 @@ MODES = ("colocated", "disaggregated")
 LOW_ID, HIGH_ID = 1000, 40000
 
 
-def mode_config(base: Path, mode: str) -> dict[str, Any]:
+def mode_config(base: Path, mode: str, stream_interval_ms: float) -> dict[str, Any]:
     """``base`` (a serve_config.yaml) as a routed, KV-sharing app of two one-CPU engine
     replicas in ``mode``."""
     config = yaml.safe_load(base.read_text())
@@ -50,7 +50,7 @@ def mode_config(base: Path, mode: str) -> dict[str, Any]:
     args.update(
         layout="routed",
         routing_policy="prefix_aware",
-        stream_interval_ms=0,
+        stream_interval_ms=stream_interval_ms,
         kv_sharing={**(args.get("kv_sharing") or {}), "enabled": True},
         disaggregation={"enabled": mode == "disaggregated", "prefill_replicas": 1},
     )
@@ -93,10 +93,10 @@ async def run_mode(
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         dec_results = [RequestResult(index=i) for i in range(len(decoding))]
-        tasks = [
-            asyncio.create_task(stream_request(client, config, r, res))
-            for r, res in zip(decoding, dec_results, strict=True)
-        ]
+        tasks = []
+        for r, res in zip(decoding, dec_results, strict=True):
+            res.send_time = time.perf_counter()
+            tasks.append(asyncio.create_task(stream_request(client, config, r, res)))
         # Every decoding stream is streaming before the first long prompt.
         deadline = time.monotonic() + 60
         while any(r.ttft is None for r in dec_results):
@@ -111,6 +111,7 @@ async def run_mode(
         for i, (req, res) in enumerate(zip(long, long_results, strict=True)):
             if i:
                 await asyncio.sleep(args.period_s)
+            res.send_time = time.perf_counter()
             long_tasks.append(asyncio.create_task(stream_request(client, config, req, res)))
         await asyncio.gather(*long_tasks)
         window = time.monotonic() - started
@@ -119,9 +120,27 @@ async def run_mode(
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+    if args.timeline:
+        timeline(dec_results, long_results, skip)
     for r, n in zip(dec_results, skip, strict=True):
         r.itls = r.itls[n:]
     return dec_results, long_results, window
+
+
+def timeline(dec: list[RequestResult], long: list[RequestResult], skip: list[int]) -> None:
+    """When the long prompts ran and when the decoding streams' gaps over 100 ms ended,
+    in seconds from the first long prompt's send (send times are the client's clock before
+    the request; close enough to place gaps)."""
+    t0 = long[0].send_time
+    for i, r in enumerate(long):
+        end = (r.send_time + r.latency - t0) if r.latency else None
+        print(f"long {i}: sent {r.send_time - t0:6.2f} ttft {r.ttft or 0:5.2f} end {end}")
+    for k, (r, n) in enumerate(zip(dec, skip, strict=True)):
+        t = r.send_time + (r.ttft or 0)
+        for j, gap in enumerate(r.itls):
+            t += gap
+            if j >= n and gap > 0.1:
+                print(f"  stream {k}: gap {gap * 1000:5.0f} ms ending {t - t0:6.2f}")
 
 
 def summarize(mode: str, dec: list[RequestResult], long: list[RequestResult], window: float):
@@ -140,6 +159,25 @@ def summarize(mode: str, dec: list[RequestResult], long: list[RequestResult], wi
         "ttft_p50_ms": round(percentile(ttfts, 50), 1) if ttfts else None,
         "ttft_p99_ms": round(percentile(ttfts, 99), 1) if ttfts else None,
     }
+
+
+def server_figures(base_url: str) -> dict[str, Any]:
+    """Handoff and KV import figures from the server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("prefixserve_handoff") or (
+                s.name == "prefixserve_prefix_cache_hit_tokens_total"
+                and s.labels.get("source") == "remote"
+            ):
+                outcome = s.labels.get("outcome")
+                key = f"{s.name}{{{outcome}}}" if outcome else s.name
+                if "bucket" not in key:
+                    sums[key] = sums.get(key, 0.0) + s.value
+    return {"server": {k: round(v, 3) for k, v in sorted(sums.items())}}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -162,7 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--period-s", type=float, default=4.0, help="between long prompts")
     p.add_argument("--warmup-s", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
+    # The routed layout's default: at one item per token (0) the items' cost in the ingress,
+    # the proxy and the client takes the decode replica's core (docs/disaggregation.md).
+    p.add_argument("--stream-interval-ms", type=float, default=20.0)
     p.add_argument("--ready-timeout-s", type=float, default=240.0)
+    p.add_argument("--timeline", action="store_true", help="print long prompts and big gaps")
     return p
 
 
@@ -172,7 +214,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="interference-") as tmp:
         for mode in args.modes:
             path = Path(tmp) / f"{mode}.yaml"
-            path.write_text(yaml.safe_dump(mode_config(args.config, mode)))
+            config = mode_config(args.config, mode, args.stream_interval_ms)
+            path.write_text(yaml.safe_dump(config))
             spec = servers.read_serve_config(path)
             servers.wait_port_free(spec.host, spec.port, 120)
             server = servers.start_ours(spec, Path(tmp) / f"{mode}.log")
@@ -182,9 +225,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 dec, long, window = asyncio.run(
                     run_mode(spec.base_url, spec.served_model_name, args)
                 )
+                figures = server_figures(spec.base_url)
             finally:
                 servers.stop(server)
-            rows.append(summarize(mode, dec, long, window))
+            rows.append({**summarize(mode, dec, long, window), **figures})
             print(json.dumps(rows[-1]), flush=True)
     print_table(rows)
     print(json.dumps(rows))
