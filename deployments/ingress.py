@@ -21,6 +21,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments import request_logging
 from deployments.config import AppArgs
+from deployments.cpu_affinity import restore_priority
 from deployments.engine_request import EngineRequest
 from deployments.frontend import OpenAIFrontend, openai_routes
 from deployments.kv_namespace import NamespaceSource
@@ -84,6 +85,10 @@ class Ingress(OpenAIRoutes):  # type: ignore[misc, valid-type]
         (``deployments.disaggregation``); the Engine deployment is then the decode side."""
         self.args = AppArgs.model_validate(args)
         request_logging.install()
+        # The ingress relays every stream item: at Ray's nice 15 it waits behind any busy engine
+        # thread on its core, and with every core busy (a prefill beside decoding) all streams
+        # stall together. Same reason as the engine replicas (deployments.cpu_affinity).
+        restore_priority()
         self.engine = engine
         by_reference = self.args.handle_transport == "actor"
         backend = HandleBackend(engine, by_reference=by_reference)
