@@ -22,7 +22,7 @@ from deployments.engine_request import EngineRequest
 from deployments.generation import Generation
 from deployments.openai_format import ResponseBuilder
 from engine.sampling_params import SamplingParams
-from tests.deployments.test_error_mapping import FakeBackend, FakeStream
+from tests.deployments.test_error_mapping import FakeBackend, FakeStream, engine_error
 from tests.deployments.test_failover import TEXTS, engine_items, reference, sse_events
 
 PROMPT = list(range(1000, 1080))  # 5 full blocks of 16
@@ -151,6 +151,37 @@ def test_a_decode_replica_lost_mid_stream_is_failed_over(smollm2_tokenizer: Any)
     assert (text, reason, usage["completion_tokens"]) == (tok.decode(out), "length", len(out))
     assert [p for p, _, _ in decode.opened] == [PROMPT + out[:1], PROMPT + out[:4]]
     assert gen.admission.metrics.failovers._value.get() == 1
+
+
+def test_a_handoff_no_decode_replica_has_room_for_ends_with_a_429_event(
+    smollm2_tokenizer: Any,
+) -> None:
+    """Every decode replica refuses (full): tried on others, then the stream, whose first token
+    went out, ends with the 429 as its error event; never silently."""
+    tok = smollm2_tokenizer
+    out = tok.encode(TEXTS[1])
+    params = SamplingParams(max_tokens=len(out), temperature=0)
+    full = [
+        FakeStream(engine_error(429, "engine replica overloaded", "overloaded_error", "overloaded"))
+        for _ in range(3)
+    ]
+    decode = FakeBackend(*full)
+    gen = _generation(decode, FakeBackend(_prefill_stream(tok, out, params)))
+    builder = ResponseBuilder("completion", "cmpl-1", "tiny", tok)
+    original = EngineRequest("cmpl-1", PROMPT, params)
+
+    async def run() -> list[bytes]:
+        lease = gen.admission.lease(1, 1)
+        first = await gen._open(lease, 0, original, 1, tok)
+        return [b async for b in gen._sse(lease, [original], [first], builder, False)]
+
+    events = sse_events(asyncio.run(run()))
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "overloaded"
+    sent = "".join(e["choices"][0]["text"] for e in events[:-2] if e.get("choices"))
+    assert sent == tok.decode(out[:1])
+    assert len(decode.opened) == 3
+    assert gen.admission.inflight == 0
 
 
 def test_which_prompts_are_handed_off() -> None:
