@@ -43,6 +43,7 @@ class IngressMetrics:
 
     def __init__(self, ingress_id: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.ingress_id = ingress_id
         r, labels = self.registry, {"ingress": ingress_id}
         self.in_flight = Gauge(
             "prefixserve_ingress_requests_in_flight",

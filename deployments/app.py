@@ -90,20 +90,36 @@ def _deployment_actors(args: AppArgs) -> list[DeploymentActorConfig]:
     return actors
 
 
+def _engine_router_config(args: AppArgs) -> Any:
+    return request_router_config(
+        args.routing_policy,
+        args.router.model_dump(),
+        args.router.stats_period_s,
+        kv_sharing=args.kv_sharing.enabled,
+        ray_args=args.ray_prefix_affinity.model_dump(),
+    )
+
+
 def engine_deployment(args: AppArgs) -> Any:
     options: dict[str, Any] = {
         **engine_serve_options(args),
         "name": "Engine",
         "deployment_actors": _deployment_actors(args),
-        "request_router_config": request_router_config(
-            args.routing_policy,
-            args.router.model_dump(),
-            args.router.stats_period_s,
-            kv_sharing=args.kv_sharing.enabled,
-            ray_args=args.ray_prefix_affinity.model_dump(),
-        ),
+        "request_router_config": _engine_router_config(args),
     }
     return serve.deployment(EngineReplica).options(**options)
+
+
+def prefill_deployment(args: AppArgs) -> Any:
+    """Prefill/decode disaggregation's prefill side: the same replica class and engine, routed
+    by the same policy (cache hits and queued prefill), without deployment actors of its own:
+    its replicas use the Engine deployment's KV directory and registry."""
+    return serve.deployment(EngineReplica).options(
+        **engine_serve_options(args),
+        name="Prefill",
+        num_replicas=args.disaggregation.prefill_replicas,
+        request_router_config=_engine_router_config(args),
+    )
 
 
 def engine_server_deployment(args: AppArgs) -> Any:
@@ -173,4 +189,17 @@ def build(
     ingress = Ingress.options(**ingress_serve_options(args))
     if ingress_options:
         ingress = ingress.options(**ingress_options)
-    return ingress.bind(engine.bind(plain), plain)
+    engine_app = engine.bind(plain)
+    if not args.disaggregation.enabled:
+        return ingress.bind(engine_app, plain)
+    prefill = prefill_deployment(args)
+    # The engine options' placement (CPUs per replica...) applies to both sides; the count is
+    # the disaggregation section's.
+    shared = {
+        k: v
+        for k, v in (engine_options or {}).items()
+        if k not in ("num_replicas", "autoscaling_config")
+    }
+    if shared:
+        prefill = prefill.options(**shared)
+    return ingress.bind(engine_app, plain, prefill.bind(plain, engine_app))

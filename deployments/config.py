@@ -100,6 +100,17 @@ class KVSharingArgs(_Strict):
     max_import_bytes: int = Field(512 << 20, gt=0)
 
 
+class DisaggregationArgs(_Strict):
+    """Prefill/decode disaggregation (docs/disaggregation.md): eligible prompts are computed on a
+    Prefill deployment of the same engine, which hands their KV to the Engine deployment (the
+    decode side) through the KV directory. Routed layout with KV sharing only."""
+
+    enabled: bool = False
+    # Replicas of the Prefill deployment (a ``Prefill`` entry under ``deployments`` in
+    # serve_config.yaml overrides it, as it may any Serve option).
+    prefill_replicas: int = Field(1, ge=1)
+
+
 class LimitsArgs(_Strict):
     """Admission limits; beyond them requests get a 4xx instead of unbounded memory.
 
@@ -164,6 +175,7 @@ class AppArgs(_Strict):
     router: RouterArgs = RouterArgs()
     ray_prefix_affinity: RayPrefixAffinityArgs = RayPrefixAffinityArgs()
     kv_sharing: KVSharingArgs = KVSharingArgs()
+    disaggregation: DisaggregationArgs = DisaggregationArgs()
     limits: LimitsArgs = LimitsArgs()
     # Bearer token required on every route but /ping (the liveness probe's); also read from
     # PREFIXSERVE_API_KEY.
@@ -223,6 +235,16 @@ class AppArgs(_Strict):
             raise ValueError(
                 "routing_policy: ray_prefix_affinity needs layout: routed (Ray's router learns "
                 "where prefixes went only from requests sent through the Engine handle)"
+            )
+        if self.disaggregation.enabled and self.layout != "routed":
+            raise ValueError(
+                "disaggregation.enabled needs layout: routed (the ingress hands each prompt "
+                "from a prefill replica to a decode replica)"
+            )
+        if self.disaggregation.enabled and not self.kv_sharing.enabled:
+            raise ValueError(
+                "disaggregation.enabled needs kv_sharing.enabled (the prompt's KV goes from "
+                "the prefill replica to the decode replica through the KV directory)"
             )
         return self
 

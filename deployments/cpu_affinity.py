@@ -13,7 +13,9 @@ every pod pinning to the same first CPUs would pile onto them, so there nothing 
 replica takes the CPUs at its rank among its deployment's replicas on the node (Serve's
 ``local_rank``): with 1-CPU replicas, the first takes the lowest CPU, the second the next, and so
 on. A replica with a fractional or missing CPU request, or whose slot would run past the CPUs
-there are, is not pinned.
+there are, is not pinned. Replicas of the Prefill deployment (prefill/decode disaggregation)
+count their slots from the highest CPU down, so that they and the Engine deployment's replicas,
+ranked separately by Serve, do not take the same CPUs.
 """
 
 from __future__ import annotations
@@ -29,14 +31,19 @@ logger = logging.getLogger("ray.serve")
 
 
 def engine_cpus(
-    local_rank: int, num_cpus: float | None, allowed: Iterable[int], node_cpus: float | None
+    local_rank: int,
+    num_cpus: float | None,
+    allowed: Iterable[int],
+    node_cpus: float | None,
+    from_top: bool = False,
 ) -> frozenset[int] | None:
     """The CPUs for the replica of rank ``local_rank`` on its node that asked for ``num_cpus``,
     given the CPUs the process may use (``allowed``) and the node's CPU resource in Ray; None
-    where it should not be pinned (see the module docstring)."""
+    where it should not be pinned (see the module docstring). ``from_top``: slots counted from
+    the highest CPU down."""
     if num_cpus is None or num_cpus < 1 or num_cpus != int(num_cpus) or local_rank < 0:
         return None
-    cpus = sorted(allowed)
+    cpus = sorted(allowed, reverse=from_top)
     if node_cpus is None or round(node_cpus) != len(cpus):
         return None
     n = int(num_cpus)
@@ -44,7 +51,7 @@ def engine_cpus(
     return frozenset(chosen) if len(chosen) == n else None
 
 
-def replica_engine_cpus() -> frozenset[int] | None:
+def replica_engine_cpus(from_top: bool = False) -> frozenset[int] | None:
     """``engine_cpus`` for the calling Serve replica (None off Linux or outside a replica)."""
     if not hasattr(os, "sched_getaffinity"):
         return None
@@ -62,7 +69,7 @@ def replica_engine_cpus() -> frozenset[int] | None:
     local_rank = getattr(rank, "local_rank", None)
     if local_rank is None:
         return None
-    return engine_cpus(local_rank, num_cpus, os.sched_getaffinity(0), node_cpus)
+    return engine_cpus(local_rank, num_cpus, os.sched_getaffinity(0), node_cpus, from_top)
 
 
 def restore_priority() -> bool:

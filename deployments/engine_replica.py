@@ -43,7 +43,7 @@ from deployments.engine_request import (
 from deployments.fault_injection import install_stall_hook
 from deployments.kv_sharing import DeploymentActor, KVSharing
 from deployments.metrics import NAMESPACE_MISMATCH_DOC, ReplicaMetrics
-from deployments.replica_report import ReplicaReporter, detached
+from deployments.replica_report import REGISTRY_ACTOR, ReplicaReporter, detached
 from deployments.stats_log import EngineStatsLog
 from deployments.stream_items import delta_item, timeout_item
 from deployments.vllm_metrics import ChoiceTimer
@@ -72,8 +72,18 @@ def _assigned_cpus() -> int | None:
 
 
 class EngineReplica:
-    def __init__(self, args: dict[str, Any]) -> None:
+    """``decode_side``: given to the replicas of the Prefill deployment (prefill/decode
+    disaggregation, ``deployments.disaggregation``), the Engine deployment's handle, through
+    which they reach its KV directory and replica registry (deployment actors are scoped to
+    their deployment, and both sides must share them)."""
+
+    def __init__(self, args: dict[str, Any], decode_side: Any = None) -> None:
         self.args = AppArgs.model_validate(args)
+        self.decode_side = decode_side
+        if decode_side is not None:
+            self.role = "prefill"
+        else:
+            self.role = "decode" if self.args.disaggregation.enabled else "colocated"
         request_logging.install()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         # Reported to the routers, which price KV imports by node (router.topology).
@@ -84,7 +94,11 @@ class EngineReplica:
         config = self.args.engine_config(num_threads=_assigned_cpus())
         self.engine = build_on_own_thread(lambda: LLMEngine(config))
         install_stall_hook(self.engine, self.replica_id)
-        self.cpus = replica_engine_cpus() if self.args.pin_engine_cpus else None
+        self.cpus = (
+            replica_engine_cpus(from_top=self.role == "prefill")
+            if self.args.pin_engine_cpus
+            else None
+        )
         restore_priority()
         logger.info(
             "engine replica %s: engine thread on CPUs %s",
@@ -126,6 +140,13 @@ class EngineReplica:
             registry=self.metrics.registry,
         )
         self._set_admitted(0)
+        Gauge(
+            "prefixserve_replica_role",
+            "1 for the replica's role: colocated, or prefill / decode under disaggregation "
+            "(join on replica to split any replica metric by role).",
+            ["replica", "role"],
+            registry=self.metrics.registry,
+        ).labels(replica=self.replica_id, role=self.role).set(1)
         self.admitted_peak_gauge.labels(replica=self.replica_id).set(0)
         self.rejected.labels(replica=self.replica_id)
         self.coalesce_s = self.args.stream_interval_ms / 1000.0
@@ -136,7 +157,9 @@ class EngineReplica:
                 self.replica_id,
                 self.async_engine,
                 self.args.kv_sharing,
-                DeploymentActor(KV_DIRECTORY_ACTOR),
+                DeploymentActor(
+                    KV_DIRECTORY_ACTOR, None if decode_side is None else self._peer_actor
+                ),
                 self.metrics,
                 node_id=self.node_id,
             )
@@ -161,6 +184,7 @@ class EngineReplica:
             stats_log=None
             if self.args.log_stats_interval_s is None
             else EngineStatsLog(self.args.log_stats_interval_s, logger),
+            registry=None if decode_side is None else lambda: self._peer_actor(REGISTRY_ACTOR),
         )
 
     # -- serving ---------------------------------------------------------------------------------
@@ -300,7 +324,14 @@ class EngineReplica:
                 timers[index].on_item(sum(len(d.new_token_ids) for d in batch))
                 last[index] = batch[-1]
                 done = all(d is not None and d.finished for d in last)
-                yield delta_item(self.replica_id, batch, index, done)
+                item = delta_item(self.replica_id, batch, index, done)
+                if done and req.handoff and self.kv_sharing is not None:
+                    full = len(req.prompt_token_ids) // self.engine.block_size
+                    hashes = self._block_hashes(req)[:full]
+                    started = time.perf_counter()
+                    item.handoff_blocks, item.handoff_bytes = await self.kv_sharing.hand_off(hashes)
+                    item.handoff_s = time.perf_counter() - started
+                yield item
         except TimeoutError:
             unfinished = [k for k, d in enumerate(last) if d is None or not d.finished]
             for k in unfinished:
@@ -346,6 +377,14 @@ class EngineReplica:
             ).labels(replica=self.replica_id).inc()
         root = self.engine.hash_root(req.cache_salt)
         return compute_block_hashes(req.prompt_token_ids, self.engine.block_size, root)
+
+    def deployment_actor(self, name: str) -> Any:
+        """This deployment's actor ``name`` (for the Prefill deployment's replicas)."""
+        return serve.get_deployment_actor(name)
+
+    async def _peer_actor(self, name: str) -> Any:
+        """The Engine deployment's actor ``name``, asked of one of its replicas."""
+        return await self.decode_side.deployment_actor.remote(name)
 
     def kv_namespace(self) -> str:
         """The namespace of this engine's block hashes (``engine.kv_fingerprint``)."""

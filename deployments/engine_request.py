@@ -56,6 +56,10 @@ class EngineRequest:
     # Never empty when set: that router divides by its length. Our own policies read only
     # ``block_hashes``.
     prompt: str | None = None
+    # Prefill/decode disaggregation (deployments.disaggregation): the replica publishes the
+    # prompt's full blocks to the KV directory, and knows the directory holds them, before it
+    # sends its last item, which reports them (``StreamItem.handoff_blocks``).
+    handoff: bool = False
 
 
 @dataclass
@@ -78,6 +82,11 @@ class StreamItem:
     remote_cached_tokens: int = 0
     logprobs: list[tuple[int, float, Any]] | None = None
     prompt_logprobs: list[tuple[int, float, Any] | None] | None = None
+    # On the last item of a ``handoff`` request: the prompt's leading blocks the KV directory
+    # holds for the decode side, their size, and the seconds the publish took.
+    handoff_blocks: int = 0
+    handoff_bytes: int = 0
+    handoff_s: float = 0.0
 
 
 @dataclass

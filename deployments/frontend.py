@@ -54,12 +54,17 @@ class OpenAIFrontend:
     """``reports``: every engine replica's latest report (health and metrics)."""
 
     def __init__(
-        self, args: AppArgs, backend: EngineBackend, replica_id: str, reports: Reports
+        self,
+        args: AppArgs,
+        backend: EngineBackend,
+        replica_id: str,
+        reports: Reports,
+        prefill: EngineBackend | None = None,
     ) -> None:
         self.args = args
         self.validator = RequestValidator(args)
         self.admission = Admission(replica_id, args.limits.max_ongoing_per_ingress)
-        self.generation = Generation(args, backend, self.admission)
+        self.generation = Generation(args, backend, self.admission, prefill)
         self.reports = reports
         self.api_key = args.resolved_api_key()
         self.health_cache = CachedVerdict(lambda: cluster_verdict(reports))

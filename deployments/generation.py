@@ -12,6 +12,10 @@ that already started is resumed on another replica from the tokens already sent,
 backend has other replicas and the request's sampling allows it (``deployments.failover``), at
 most ``failover.MAX_RESUMES`` times; otherwise it ends with an SSE error event. A request that was
 running when its engine loop died is not retried (it may be what broke it): it gets a 503.
+
+Under prefill/decode disaggregation an eligible prompt's first token comes from the Prefill
+deployment and the rest from the Engine deployment, as a planned resumption
+(``deployments.disaggregation``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,15 @@ from deployments import request_logging, tracing
 from deployments.admission import Admission, Lease, LeasedStreamingResponse, gather, read_to_end
 from deployments.choices import merge_streams
 from deployments.config import AppArgs
+from deployments.disaggregation import (
+    COLOCATED,
+    ENDED_AT_PREFILL,
+    DecodeStream,
+    HandoffMetrics,
+    eligible,
+    hand_off,
+    prefill_request,
+)
 from deployments.engine_request import (
     DEADLINE_EXCEEDED,
     EngineError,
@@ -103,10 +116,26 @@ def prompt_text(tokenizer: Any, token_ids: list[int]) -> str:
 class Generation:
     """Runs ``GenerationJob``s on one backend; one per HTTP-serving replica."""
 
-    def __init__(self, args: AppArgs, backend: EngineBackend, admission: Admission) -> None:
+    def __init__(
+        self,
+        args: AppArgs,
+        backend: EngineBackend,
+        admission: Admission,
+        prefill: EngineBackend | None = None,
+    ) -> None:
+        """``prefill``: the Prefill deployment, under prefill/decode disaggregation (``backend``
+        is then the decode side)."""
         self.args = args
         self.backend = backend
         self.admission = admission
+        self.prefill = prefill
+        self.handoffs = (
+            None
+            if prefill is None
+            else HandoffMetrics(admission.metrics.registry, admission.metrics.ingress_id)
+        )
+        # Prefill streams read to their end after the handoff (held: the loop keeps weak refs).
+        self._draining: set[asyncio.Task[None]] = set()
         self.block_size = args.engine.block_size
         self.hash_key = hash_key(args.kv_hash_key)
         self.retry_after = {"Retry-After": str(args.limits.retry_after_s)}
@@ -181,8 +210,9 @@ class Generation:
         handed_off = False
         try:
             if job.stream:
+                tokenizer = job.builder.tokenizer
                 firsts = await gather(
-                    [self._open(lease, i, r, job.n) for i, r in enumerate(engine_reqs)]
+                    [self._open(lease, i, r, job.n, tokenizer) for i, r in enumerate(engine_reqs)]
                 )
                 handed_off = True
                 return LeasedStreamingResponse(
@@ -192,7 +222,10 @@ class Generation:
                     headers=self._replica_header(firsts),
                 )
             results = await gather(
-                [self._complete(lease, i, r, job.n) for i, r in enumerate(engine_reqs)]
+                [
+                    self._complete(lease, i, r, job.n, job.builder.tokenizer)
+                    for i, r in enumerate(engine_reqs)
+                ]
             )
             items = [item for its in results for item in its]
             return JSONResponse(job.builder.full(items), headers=self._replica_header(items))
@@ -216,14 +249,17 @@ class Generation:
         engine_req: EngineRequest,
         n: int,
         read: Callable[[Any, int], Awaitable[T]],
+        backend: EngineBackend | None = None,
     ) -> T:
         """``read(stream, index offset)`` on prompt ``i``'s stream, again while it fails in a
         way another attempt may not. Each attempt after the first has a request id of its own
-        (``<id>-retry<k>``): the replica that failed it may still hold the first."""
+        (``<id>-retry<k>``): the replica that failed it may still hold the first. ``backend``:
+        where it runs (default: the Engine deployment's)."""
         attempt = 1
         req = engine_req
+        backend = backend or self.backend
         while True:
-            stream = lease.streams[i] = self.backend.open(req, i, len(lease.streams))
+            stream = lease.streams[i] = backend.open(req, i, len(lease.streams))
             try:
                 return await read(stream, i * n)
             except RetryableError as e:
@@ -232,18 +268,67 @@ class Generation:
                 attempt += 1
                 req = replace(engine_req, request_id=f"{engine_req.request_id}-retry{attempt - 1}")
 
-    async def _open(self, lease: Lease, i: int, engine_req: EngineRequest, n: int) -> StreamItem:
+    async def _open(
+        self, lease: Lease, i: int, engine_req: EngineRequest, n: int, tokenizer: Any = None
+    ) -> StreamItem:
         """Start prompt ``i``'s stream: its first item."""
+        if self._disaggregated(engine_req):
+            return await self._prefill_then_decode(lease, i, engine_req, n, tokenizer)
         return await self._attempt(lease, i, engine_req, n, self._next_item)
 
     async def _complete(
-        self, lease: Lease, i: int, engine_req: EngineRequest, n: int
+        self, lease: Lease, i: int, engine_req: EngineRequest, n: int, tokenizer: Any = None
     ) -> list[StreamItem]:
-        """Prompt ``i``'s every item; retried as a whole, since nothing was sent yet."""
-        items = await self._attempt(lease, i, engine_req, n, self._collect)
+        """Prompt ``i``'s every item; retried as a whole, since nothing was sent yet (a
+        handed-off prompt's decode side is resumed instead, as a stream's)."""
+        if self._disaggregated(engine_req):
+            items = [await self._prefill_then_decode(lease, i, engine_req, n, tokenizer)]
+            progress = PromptProgress(engine_req, i * n)
+            progress.observe(items[0])
+            while not items[-1].done:
+                items.append(await self._next_or_resume(lease, i, progress, tokenizer))
+                progress.observe(items[-1])
+        else:
+            items = await self._attempt(lease, i, engine_req, n, self._collect)
         lease.ended[i] = True
         await read_to_end(lease.streams[i])
         return items
+
+    def _disaggregated(self, req: EngineRequest) -> bool:
+        return self.prefill is not None and eligible(
+            req, self.block_size, self.args.kv_sharing.min_blocks
+        )
+
+    async def _prefill_then_decode(
+        self, lease: Lease, i: int, engine_req: EngineRequest, n: int, tokenizer: Any
+    ) -> StreamItem:
+        """Prompt ``i``'s first item from a Prefill replica; its stream then continues on the
+        decode side (``deployments.disaggregation``). Where no prefill replica serves it, it
+        runs on the decode side from the start."""
+        assert self.prefill is not None and self.handoffs is not None
+        try:
+            item = await self._attempt(
+                lease, i, prefill_request(engine_req), n, self._next_item, self.prefill
+            )
+        except HTTPError as e:
+            if e.code not in ("engine_unavailable", "overloaded"):
+                raise
+            logger.warning("no prefill replica served the prompt (%s): running it colocated", e)
+            self.handoffs.outcome(COLOCATED)
+            return await self._attempt(lease, i, engine_req, n, self._next_item)
+        handoff = hand_off(tokenizer, engine_req, item, self._hasher(engine_req))
+        handoff.first.index += i * n
+        if handoff.decode is None:
+            self.handoffs.outcome(ENDED_AT_PREFILL)
+            return handoff.first
+        on_first = self.handoffs.handed_off(item)
+        prefill_stream = lease.streams[i]
+        drain = asyncio.get_running_loop().create_task(read_to_end(prefill_stream))
+        self._draining.add(drain)
+        drain.add_done_callback(self._draining.discard)
+        decode = self.backend.open(handoff.decode, i, len(lease.streams), key=f"{i}-decode")
+        lease.streams[i] = DecodeStream(handoff.seam, decode, on_first)
+        return handoff.first
 
     async def _collect(self, stream: Any, offset: int) -> list[StreamItem]:
         items = [await self._next_item(stream, offset)]

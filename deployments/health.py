@@ -76,13 +76,19 @@ async def cluster_verdict(reports: Reports) -> Verdict:
     status = await asyncio.to_thread(serve.status)
     app_status = status.applications.get(serve.get_replica_context().app_name)
     engine_status = app_status.deployments.get("Engine") if app_status else None
-    return health_verdict(
-        {_enum_value(k): n for k, n in engine_status.replica_states.items()}
-        if engine_status
-        else {},
-        replica_reports,
-        _enum_value(engine_status.status) if engine_status else None,
-    )
+    states: dict[str, int] = {}
+    deployment_status = _enum_value(engine_status.status) if engine_status else None
+    # Under prefill/decode disaggregation the Prefill deployment's replicas are engine
+    # replicas too (they report to the same registry).
+    prefill_status = app_status.deployments.get("Prefill") if app_status else None
+    for deployment in (engine_status, prefill_status):
+        if deployment is None:
+            continue
+        for k, n in deployment.replica_states.items():
+            states[_enum_value(k)] = states.get(_enum_value(k), 0) + n
+        if _enum_value(deployment.status) == "UNHEALTHY":
+            deployment_status = "UNHEALTHY"
+    return health_verdict(states, replica_reports, deployment_status)
 
 
 class CachedVerdict:

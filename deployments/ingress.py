@@ -21,6 +21,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments import request_logging
 from deployments.config import AppArgs
+from deployments.cpu_affinity import restore_priority
 from deployments.engine_request import EngineRequest
 from deployments.frontend import OpenAIFrontend, openai_routes
 from deployments.kv_namespace import NamespaceSource
@@ -74,14 +75,27 @@ app, OpenAIRoutes = openai_routes()
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress(OpenAIRoutes):  # type: ignore[misc, valid-type]
-    def __init__(self, engine: DeploymentHandle, args: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        engine: DeploymentHandle,
+        args: dict[str, Any],
+        prefill: DeploymentHandle | None = None,
+    ) -> None:
+        """``prefill``: the Prefill deployment's handle, under prefill/decode disaggregation
+        (``deployments.disaggregation``); the Engine deployment is then the decode side."""
         self.args = AppArgs.model_validate(args)
         request_logging.install()
+        # The ingress relays every stream item: at Ray's nice 15 it waits behind any busy engine
+        # thread on its core, and with every core busy (a prefill beside decoding) all streams
+        # stall together. Same reason as the engine replicas (deployments.cpu_affinity).
+        restore_priority()
         self.engine = engine
-        backend = HandleBackend(engine, by_reference=self.args.handle_transport == "actor")
+        by_reference = self.args.handle_transport == "actor"
+        backend = HandleBackend(engine, by_reference=by_reference)
         self.frontend = OpenAIFrontend(
             self.args,
             backend,
             serve.get_replica_context().replica_id.unique_id,
             reports=lambda: engine.cluster_report.remote(),
+            prefill=None if prefill is None else HandleBackend(prefill, by_reference),
         )

@@ -31,6 +31,7 @@ import collections
 import contextlib
 import contextvars
 import logging
+import math
 import threading
 import time
 import warnings
@@ -102,6 +103,9 @@ class HeldDirectory:
     def reset(self) -> None:
         pass
 
+    async def resolve(self) -> None:
+        pass
+
 
 @dataclass
 class Fetched:
@@ -137,6 +141,7 @@ class KVSharing(KVConnector):
         self.directory = directory
         self.block_size = self.engine.block_size
         self.layout = layout_of(self.engine)
+        self.block_nbytes = math.prod(self.layout.block_shape) * self.engine.dtype.itemsize
         self._pending: collections.deque[list[int]] = collections.deque(maxlen=1024)
         self._pending_lock = threading.Lock()
         self._task: asyncio.Task | None = None
@@ -175,6 +180,7 @@ class KVSharing(KVConnector):
     async def call_directory(self, method: Callable[[Any], Awaitable[Any]]) -> Any:
         """A directory call; a failure resets the handle (the actor may have been recreated)."""
         try:
+            await self.directory.resolve()
             return await method(self.directory)
         except Exception:
             self.directory.reset()
@@ -211,10 +217,12 @@ class KVSharing(KVConnector):
                     logger.warning("KV publish failed", exc_info=True)
             await asyncio.sleep(0.05)
 
-    async def _publish(self, hashes: list[BlockHash]) -> None:
+    async def _publish(self, hashes: list[BlockHash], min_new: int | None = None) -> None:
+        """Publish the run ``hashes`` from where the directory's leading run ends, if at least
+        ``min_new`` (default ``min_blocks``) blocks are missing."""
         known = await self.call_directory(lambda d: d.contains.remote(hashes))
         todo = hashes[known:]
-        if len(todo) < self.args.min_blocks:
+        if not todo or len(todo) < (self.args.min_blocks if min_new is None else min_new):
             return
         step = self.args.max_blocks_per_object
         for i in range(0, len(todo), step):
@@ -233,6 +241,24 @@ class KVSharing(KVConnector):
             self.published.inc(added)
             if len(found) < len(part):
                 return  # evicted here meanwhile: the rest of the run cannot follow
+
+    async def hand_off(self, hashes: list[BlockHash]) -> tuple[int, int]:
+        """Publish the prompt blocks ``hashes`` (cached here) that the directory lacks, now
+        rather than from the background loop, and return how many leading blocks of them it
+        holds afterwards, with their bytes. A prefill replica calls it before its last item
+        goes out, so the decode replica's lookup cannot race the publish. Best effort: a failure
+        or timeout hands off fewer blocks, which the decode replica recomputes."""
+
+        async def publish() -> int:
+            await self._publish(hashes, min_new=1)
+            return await self.call_directory(lambda d: d.contains.remote(hashes))
+
+        try:
+            held = await asyncio.wait_for(publish(), self.args.fetch_timeout_s)
+        except Exception:  # noqa: BLE001 - the decode side recomputes what is missing
+            logger.warning("KV handoff publish failed", exc_info=True)
+            return 0, 0
+        return held, held * self.block_nbytes
 
     # -- importing -------------------------------------------------------------------------------
     async def prefetch(self, prompt_len: int, hashes: list[BlockHash]) -> Fetched | None:
@@ -383,11 +409,18 @@ async def _await(ref: Any) -> Any:
 
 class DeploymentActor:
     """A deployment-scoped actor handle, resolved on first use and again after a failure (Serve
-    may recreate the actor)."""
+    may recreate the actor). ``source``, when given, resolves it instead of the calling
+    replica's own deployment (a Prefill replica uses the Engine deployment's actors); callers
+    then ``await resolve()`` before each use."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, source: Callable[[str], Awaitable[Any]] | None = None) -> None:
         self.name = name
+        self.source = source
         self._handle: Any = None
+
+    async def resolve(self) -> None:
+        if self._handle is None and self.source is not None:
+            self._handle = await self.source(self.name)
 
     def __getattr__(self, method: str) -> Any:
         if self._handle is None:

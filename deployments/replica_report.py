@@ -61,6 +61,7 @@ class ReplicaReporter:
         metrics: ReplicaMetrics,
         heartbeat: Callable[[], Awaitable[Any]] | None = None,
         stats_log: EngineStatsLog | None = None,
+        registry: Callable[[], Awaitable[Any]] | None = None,
     ) -> None:
         self.replica_id = replica_id
         self.started_at = started_at
@@ -70,6 +71,8 @@ class ReplicaReporter:
         self.heartbeat = heartbeat
         self.stats_log = stats_log
         self._registry: Any = None
+        # Resolves the registry actor; None: this replica's own deployment's.
+        self._resolve_registry = registry
         self._task: asyncio.Task | None = None
 
     def ensure_started(self) -> None:
@@ -91,7 +94,11 @@ class ReplicaReporter:
         if self.stats_log is not None:
             self.stats_log.maybe_log(self.engine.stats)
         if self._registry is None:
-            self._registry = serve.get_deployment_actor(REGISTRY_ACTOR)
+            self._registry = (
+                serve.get_deployment_actor(REGISTRY_ACTOR)
+                if self._resolve_registry is None
+                else await self._resolve_registry()
+            )
         report = {
             "healthy": self.async_engine.is_ready,
             "node_id": ray.get_runtime_context().get_node_id(),
