@@ -10,7 +10,8 @@ The cluster's first ``prefill`` replicas run only prompts; the others only decod
 3. otherwise it is handed off: it waits until a decode replica can hold it (below), then after
    ``profile.transfer_s(blocks)`` for the prompt's full blocks that replica does not already
    cache (the engine's measured fetch cost per block, the figure KV sharing uses) those blocks
-   are installed there as free cached blocks (``SimReplica.install``) and a continuation joins
+   are installed there as free cached blocks (the blocks it already held stay pinned meanwhile,
+   so neither the wait nor the install's allocation evicts them) and a continuation joins
    the replica's queue: prompt plus first token as its prompt, the remaining tokens as output.
    Its prefix hit covers every full prompt block, so it computes only the partial last block and
    the first token before decoding.
@@ -61,6 +62,7 @@ class Handoff:
     blocks: int = 0
     reserved: int = 0
     continuation: SimRequest | None = None
+    pinned: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -154,17 +156,14 @@ class DisaggregatedCluster(Cluster):
             return
         replica, handoff = obj
         replica.num_importing -= 1
-        request = handoff.request
-        hashes = list(request.spec.block_hashes)
-        pool = replica.kv.pool
-        missing = any(pool.get_cached_block(h) is None for h in hashes)
-        if missing and not replica.install(hashes):
-            self._install_failures += 1  # no room: the decoder recomputes the prompt
-        cont = continuation(request, self.config.block_tokens)
+        if not _install_prompt(replica, handoff):
+            self._install_failures += 1  # no room: the decoder recomputes what is missing
+        cont = continuation(handoff.request, self.config.block_tokens)
         handoff.continuation = cont
         handoff.joined_at = now
         self._of_continuation[id(cont)] = handoff
         replica.add(cont)
+        replica.changed = True
         if replica.idle:
             self._start(replica, now)
 
@@ -203,7 +202,12 @@ class DisaggregatedCluster(Cluster):
     def _place(self, handoff: Handoff, replica: SimReplica, reserved: int, now: float) -> None:
         hashes = handoff.request.spec.block_hashes
         pool = replica.kv.pool
-        blocks = sum(1 for h in hashes if pool.get_cached_block(h) is None)
+        cached = [b for b in map(pool.get_cached_block, hashes) if b is not None]
+        # Pinned until the rest arrives: neither the transfer's wait nor the install's own
+        # allocation may evict what the replica already holds.
+        pool.touch(cached)
+        handoff.pinned = cached
+        blocks = len(hashes) - len(cached)
         handoff.decode_replica = replica.replica_id
         handoff.placed_at = now
         handoff.blocks = blocks
@@ -214,6 +218,27 @@ class DisaggregatedCluster(Cluster):
         replica.changed = True
         at = now + self.profile.transfer_s(blocks, self.config.block_tokens)
         heapq.heappush(self._heap, (at, next(self._seq), HANDOFF, (replica, handoff)))
+
+
+def _install_prompt(replica: SimReplica, handoff: Handoff) -> bool:
+    """Install the prompt's full blocks the replica lacks as cached blocks, then release them
+    with the pinned ones, last block first, so that the prompt's head is evicted last (as
+    ``SimReplica.install`` orders an import). All or nothing, as the engine's import: False when
+    the pool cannot spare the missing blocks above the watermark."""
+    pool = replica.kv.pool
+    hashes = handoff.request.spec.block_hashes
+    missing = [h for h in hashes if pool.get_cached_block(h) is None]
+    ok = len(missing) <= pool.num_free_blocks - replica.kv.watermark_blocks
+    mine = {block.block_hash: block for block in handoff.pinned}
+    if ok and missing:
+        for block, h in zip(pool.allocate(len(missing)), missing, strict=True):
+            pool.cache_block(block, h)
+            mine[h] = block
+    # One reference each, the pin or the allocation; blocks another import installed meanwhile
+    # are not ours to release.
+    pool.free(reversed([mine[h] for h in hashes if h in mine]))
+    handoff.pinned = []
+    return ok
 
 
 def _held_prefix_blocks(replica: SimReplica, hashes: Sequence[int]) -> int:

@@ -185,3 +185,22 @@ def test_without_the_flag_the_cluster_is_colocated(tmp_path: Path) -> None:
         simulate.main([*common, "--replicas", "2", "--disaggregated", "2"])
     with pytest.raises(SystemExit):
         simulate.main([*common, "--disaggregated", "3/2"])
+
+
+def test_the_install_does_not_evict_the_prompt_blocks_the_decoder_already_holds() -> None:
+    # On a 30-block decode replica, r0 leaves its 6 prompt blocks cached and r1 pushes them to
+    # the head of the eviction queue. r2 extends r0's prompt by 8 blocks: installing those 8
+    # would evict r0's blocks from the head, but they are pinned, so r2 hits its whole prompt.
+    specs = [
+        _spec(0, 0.0, 100, 3, first_id=1),
+        _spec(1, 1.0, 300, 3, first_id=100),
+        SimRequestSpec(2, 2.0, 228, 3, tuple(range(1, 7)) + tuple(range(200, 208))),
+    ]
+    run = _disagg(specs, replicas=2, prefill=1, capacity_blocks=30)
+    last = run.handoffs[2]
+    assert last.blocks == 8  # the 6 blocks r0 left there do not travel
+    assert last.continuation is not None and last.continuation.num_cached_tokens == 14 * BLOCK
+    assert run.install_failures == 0
+    decode = run.replicas[1].kv.pool
+    assert decode.num_free_blocks == 30  # pins and installs all released
+    decode.check_invariants()
