@@ -42,6 +42,7 @@ from benchmarks.sim.metrics import distribution_ms
 from benchmarks.sim.profile import Profile
 from benchmarks.sim.replica import SimReplica, SimRequest
 from benchmarks.sim.trace import SimRequestSpec
+from engine.block_pool import KVCacheBlock
 from engine.kv_cache_manager import cdiv
 
 HANDOFF = 4  # an event kind beside cluster.py's four: a handed-off request reaches its decoder
@@ -62,7 +63,7 @@ class Handoff:
     blocks: int = 0
     reserved: int = 0
     continuation: SimRequest | None = None
-    pinned: list[Any] = field(default_factory=list)
+    pinned: list[KVCacheBlock] = field(default_factory=list)  # held until the install
 
 
 @dataclass
