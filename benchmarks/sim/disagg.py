@@ -25,8 +25,8 @@ handoffs wait in arrival order (the first one that does not fit holds the others
 retried when a decode replica finishes a request. Reserving whole footprints means a decode
 replica never preempts for lack of blocks, as a decode pool sized by admission would.
 
-Not modelled: the prefill replica's export and publish of the blocks (live, a background task
-puts them in Ray's object store) and the handoff's RPC; both are charged to nobody.
+Not modelled: the prefill replica's export of the blocks into Ray's object store (live, done in
+the background) and the handoff's RPC; both are charged to nobody.
 """
 
 from __future__ import annotations
