@@ -3,6 +3,10 @@
     python -m benchmarks.simulate --trace /path/to/trace.jsonl --replicas 16 \\
         --policy prefix_aware,power_of_two --capacity-fraction 0.05 --plot out.png
 
+``--disaggregated 0,1/4,4`` also runs each configuration with prefill/decode disaggregation:
+0 is colocated, ``a/b`` that fraction of the replicas (rounded, at least one of each kind) as
+prefill replicas, an integer that many (see benchmarks/sim/disagg.py).
+
 Each run prints a short summary to stderr; the last line of stdout is one JSON document with every
 run (``runs``), the ideal single-cache hit ratios and the configuration. See docs/routing.md
 ("Simulating routing at scale") for the model and its calibration.
@@ -11,6 +15,7 @@ run (``runs``), the ideal single-cache hit ratios and the configuration. See doc
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -18,7 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sim.cluster import Cluster, ClusterConfig
+from benchmarks.sim.cluster import ClusterConfig
+from benchmarks.sim.disagg import DisaggregatedRun, make_cluster, summarize_disaggregation
 from benchmarks.sim.ideal import ideal_hit_ratio, ttft_floors_s
 from benchmarks.sim.metrics import distribution_ms, per_replica, summarize_run, ttfts
 from benchmarks.sim.profile import DEFAULT_PROFILE, Profile
@@ -29,10 +35,11 @@ POLICY_NAMES = ("prefix_aware", "power_of_two", "round_robin", *PORTS)
 
 
 def run_one(
-    specs: Sequence[SimRequestSpec], profile: Profile, config: ClusterConfig
+    specs: Sequence[SimRequestSpec], profile: Profile, config: ClusterConfig, prefill: int = 0
 ) -> dict[str, Any]:
-    """Simulate one cluster; the summary plus its configuration and private plot series."""
-    run = Cluster(profile, config).run(specs)
+    """Simulate one cluster (disaggregated with ``prefill`` > 0 prefill replicas); the summary
+    plus its configuration and private plot series."""
+    run = make_cluster(profile, config, prefill).run(specs)
     summary = summarize_run(run)
     # Only with nodes modelled, so that the default output stays as it was.
     topology: dict[str, Any] = {}
@@ -40,16 +47,59 @@ def run_one(
         topology["replicas_per_node"] = config.replicas_per_node
         if run.directory is not None:
             topology["cross_node_fetched_blocks"] = run.directory.imported_cross_node_blocks
+    extra: dict[str, Any] = {}
+    if isinstance(run, DisaggregatedRun):
+        extra["prefill_replicas"] = prefill
+        extra["disaggregation"] = summarize_disaggregation(run, summary["makespan_s"])
     return {
         "policy": config.policy,
         "replicas": config.replicas,
         "kv_sharing": config.kv_sharing,
         "capacity_blocks": config.capacity_blocks,
         **topology,
+        **extra,
         **summary,
         "_ttfts": ttfts(run),
         "_per_replica": per_replica(run),
     }
+
+
+def _prefill_counts(text: str) -> list[str]:
+    """``--disaggregated``: checked here, resolved per cluster size by ``prefill_replicas``."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    for item in items:
+        try:
+            _prefill_value(item)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return items
+
+
+def _prefill_value(item: str) -> int | float:
+    """One ``--disaggregated`` item: a count >= 0, or a fraction ``a/b`` in (0, 1)."""
+    if "/" in item:
+        num, _, den = item.partition("/")
+        fraction = int(num) / int(den)
+        if not 0 < fraction < 1:
+            raise ValueError(f"--disaggregated: a fraction must be in (0, 1), got {item!r}")
+        return fraction
+    count = int(item)
+    if count < 0:
+        raise ValueError(f"--disaggregated: a count must be >= 0, got {item!r}")
+    return count
+
+
+def prefill_replicas(item: str, replicas: int) -> int:
+    """Prefill replicas out of ``replicas`` for one ``--disaggregated`` item: 0 (colocated), a
+    count (below ``replicas``), or a fraction rounded and kept within [1, replicas - 1]."""
+    value = _prefill_value(item)
+    if isinstance(value, float):
+        return min(max(round(value * replicas), 1), replicas - 1)
+    if value and value >= replicas:
+        raise ValueError(
+            f"--disaggregated: {value} prefill replicas leave no decode replica of {replicas}"
+        )
+    return value
 
 
 def _int_list(text: str) -> list[int]:
@@ -116,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--cross-node-transfer-block-s", type=float, default=None,
                    help="seconds to import one block published on another node (default: the "
                    "profile's, else its same-node time plus the measured extra)")  # fmt: skip
+    c.add_argument("--disaggregated", type=_prefill_counts, default=None, metavar="P[,P...]",
+                   help="prefill replicas out of --replicas for prefill/decode disaggregation: "
+                   "a count or a fraction like 1/4; a list compares them, 0 = colocated")  # fmt: skip
     c.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, help="cost profile JSON")
     c.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="override the profile's token budget")  # fmt: skip
@@ -226,7 +279,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             floors = ttft_floors_s(specs, n * capacity, args.block_tokens, profile)
             floor_cache[n * capacity] = distribution_ms(floors)
         for sharing in sharing_modes:
-            for policy in args.policy:
+            for policy, item in itertools.product(args.policy, args.disaggregated or ["0"]):
+                try:
+                    prefill = prefill_replicas(item, n)
+                except ValueError as e:
+                    raise SystemExit(str(e)) from None
                 config = ClusterConfig(
                     replicas=n,
                     capacity_blocks=capacity,
@@ -242,7 +299,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     seed=args.seed,
                     replicas_per_node=args.replicas_per_node,
                 )
-                run = run_one(specs, profile, config)
+                run = run_one(specs, profile, config, prefill)
+                if prefill:
+                    run["disaggregated"] = item
                 run["ideal_hit_ratio"] = ideal_cache[n * capacity]
                 run["ttft_floor_ms"] = floor_cache[n * capacity]
                 run["hit_ratio_vs_ideal"] = (
@@ -301,12 +360,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def _one_line(run: dict[str, Any]) -> str:
     sharing = "+kv" if run["kv_sharing"] else ""
+    if "prefill_replicas" in run:
+        sharing += f" P/D {run['prefill_replicas']}/{run['replicas'] - run['prefill_replicas']}"
+    itl = run["itl_ms"]
     return (
         f"N={run['replicas']:<4} {run['policy'] + sharing:<16} hit {run['hit_ratio']:.3f} "
         f"(ideal {run['ideal_hit_ratio']:.3f}, {run['hit_ratio_vs_ideal']:.1%}) "
         f"TTFT p50/p99 {run['ttft_ms']['p50']:.0f}/{run['ttft_ms']['p99']:.0f} ms "
         f"(floor {run['ttft_floor_ms']['p50']:.0f}/{run['ttft_floor_ms']['p99']:.0f})  "
-        f"E2E p50/p99 {run['e2e_ms']['p50']:.0f}/{run['e2e_ms']['p99']:.0f} ms  "
+        + (f"ITL p50/p99 {itl['p50']:.0f}/{itl['p99']:.0f} ms  " if itl["p50"] is not None else "")
+        + f"E2E p50/p99 {run['e2e_ms']['p50']:.0f}/{run['e2e_ms']['p99']:.0f} ms  "
         f"{run['request_throughput']:.2f} req/s  util {run['utilization']['mean']:.2f}  busy max/mean "
         f"{run['busy_s_per_replica']['max_over_mean']:.2f}  reqs max/mean "
         f"{run['requests_per_replica']['max_over_mean']:.2f}  [{run['sim_wall_s']:.1f} s]"

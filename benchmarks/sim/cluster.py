@@ -124,6 +124,8 @@ class Cluster:
                     "transfer_cost_ratio": same,
                     "cross_node_transfer_cost_ratio": cross,
                 }
+        # The replicas the router sees (reports, ranking): all of them unless a subclass says.
+        self.routed = self.replicas
         self.replica_ids = [r.replica_id for r in self.replicas]
         self.policy.update_replicas(self.replica_ids)
         if isinstance(self.policy, RayKVAwarePolicy):
@@ -160,15 +162,12 @@ class Cluster:
             now, _, kind, obj = pop(heap)
             num_events += 1
             if kind == STEP:
-                first, finished = obj.finish_step()
+                first, finished = obj.finish_step(now)
                 for request in first:
                     request.first_token_time = now
                     if directory is not None:
                         directory.publish(obj, request, self.node_of[obj.replica_id])
-                for request in finished:
-                    request.finish_time = now
-                    policy.on_request_completed(request.request_id, now)
-                remaining -= len(finished)
+                remaining -= self._complete(obj, finished, now)
                 self._start(obj, now)
                 if finished and self._backlog:
                     self._drain_backlog(now)
@@ -181,8 +180,8 @@ class Cluster:
                 replica.add(request)
                 if replica.idle:
                     self._start(replica, now)
-            else:  # REPORT
-                for replica in self.replicas:
+            elif kind == REPORT:
+                for replica in self.routed:
                     if replica.changed:
                         stats = replica.report(now)
                         stats.update(self._topology.get(replica.replica_id, ()))
@@ -191,6 +190,8 @@ class Cluster:
                     if not heap:
                         raise RuntimeError(f"simulation stalled with {remaining} requests left")
                     push(heap, (now + period, next(self._seq), REPORT, None))
+            else:
+                self._on_event(kind, obj, now)
         return ClusterRun(
             requests=accepted,
             rejected=rejected,
@@ -200,6 +201,17 @@ class Cluster:
             num_events=num_events,
             wall_s=time.perf_counter() - started,
         )
+
+    def _complete(self, replica: SimReplica, finished: list[SimRequest], now: float) -> int:
+        """Requests ``replica`` finished at ``now``; returns how many trace requests completed."""
+        for request in finished:
+            request.finish_time = now
+            self.policy.on_request_completed(request.request_id, now)
+        return len(finished)
+
+    def _on_event(self, kind: int, obj: Any, now: float) -> None:
+        """An event kind a subclass added (the four above are handled in ``run``)."""
+        raise ValueError(f"unknown event kind {kind}")
 
     def _start(self, replica: SimReplica, now: float) -> None:
         duration = replica.start_step()

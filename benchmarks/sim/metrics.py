@@ -6,7 +6,9 @@ Definitions (times on the simulated clock; no network or Serve overhead is model
   requests, as the live benchmark computes it from ``usage.prompt_tokens_details.cached_tokens``;
   ``remote_hit_ratio`` is the part of it imported from the KV directory;
 - TTFT: from arrival to the end of the step that produced the first token; E2E: to the end of the
-  step that produced the last one;
+  step that produced the last one; ITL (inter-token latency, also called TBT): the gaps between
+  consecutive output tokens of a request, pooled over every finished request (as vLLM's
+  benchmark pools them), so a long request weighs by its token count;
 - throughput: finished requests (and their prompt + output tokens) per second of makespan, from
   the first arrival to the last completion;
 - balance: per replica, requests routed to it and busy seconds (the sum of its step times);
@@ -21,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.sim.cluster import ClusterRun
+from benchmarks.sim.replica import SimRequest
 
 PERCENTILES = (50, 90, 99)
 
@@ -73,6 +76,7 @@ def summarize_run(run: ClusterRun) -> dict[str, Any]:
         "remote_hit_ratio": remote / prompt if prompt else 0.0,
         "ttft_ms": distribution_ms(ttft),
         "e2e_ms": distribution_ms(e2e),
+        "itl_ms": distribution_ms(itls(done)),
         "makespan_s": makespan,
         "request_throughput": per_second(len(done)),
         "token_throughput": per_second(prompt + output),
@@ -108,3 +112,9 @@ def ttfts(run: ClusterRun) -> list[float]:
     return [
         r.first_token_time - r.arrival_time for r in run.requests if r.first_token_time is not None
     ]
+
+
+def itls(requests: Sequence[SimRequest]) -> np.ndarray:
+    """Every gap between consecutive output tokens of ``requests``, in seconds."""
+    gaps = [np.diff(r.token_times) for r in requests if len(r.token_times) > 1]
+    return np.concatenate(gaps) if gaps else np.empty(0)

@@ -14,7 +14,8 @@ import numpy as np  # noqa: E402
 
 
 def _label(run: dict[str, Any]) -> str:
-    return run["policy"] + (" + kv sharing" if run["kv_sharing"] else "")
+    disaggregated = f" + P/D {run['disaggregated']}" if "disaggregated" in run else ""
+    return run["policy"] + (" + kv sharing" if run["kv_sharing"] else "") + disaggregated
 
 
 def plot_runs(runs: Sequence[dict[str, Any]], path: str | Path, title: str) -> None:

@@ -32,7 +32,10 @@ class SimRequest:
     Invariants: ``block_hashes`` covers every block the request can ever fill (prompt blocks from
     the trace, then per-request unique negative ids for blocks holding generated tokens, which
     nothing else can hit, as in the live replay where outputs are the model's own tokens);
-    ``num_cached_tokens`` is -1 until first admission, then the prefix hit at that admission.
+    ``num_cached_tokens`` is -1 until first admission, then the prefix hit at that admission;
+    ``token_times`` holds the time of every output token so far, in order (its first entry is
+    ``first_token_time``); the request finishes on its replica after ``stop_after`` tokens
+    (``output_len`` unless it continues elsewhere, see ``benchmarks/sim/disagg.py``).
     """
 
     __slots__ = (
@@ -56,6 +59,8 @@ class SimRequest:
         "replica",
         "first_token_time",
         "finish_time",
+        "token_times",
+        "stop_after",
     )
 
     def __init__(self, spec: SimRequestSpec, block_tokens: int) -> None:
@@ -86,6 +91,8 @@ class SimRequest:
         self.replica: str | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        self.token_times: list[float] = []
+        self.stop_after = spec.output_len
 
     @property
     def num_tokens(self) -> int:
@@ -190,9 +197,9 @@ class SimReplica:
         self.changed = True
         return duration
 
-    def finish_step(self) -> tuple[list[SimRequest], list[SimRequest]]:
-        """Apply the step in progress: returns (requests that produced their first token,
-        requests that finished)."""
+    def finish_step(self, now: float) -> tuple[list[SimRequest], list[SimRequest]]:
+        """Apply the step in progress, ending at ``now`` (each token produced is timed then):
+        returns (requests that produced their first token, requests that finished)."""
         out = self.current
         assert out is not None, "no step in progress"
         self.current = None
@@ -200,9 +207,10 @@ class SimReplica:
         finished: list[SimRequest] = []
         for request in self.scheduler.update_from_output(out):
             request.num_output_tokens += 1
+            request.token_times.append(now)
             if request.num_output_tokens == 1:
                 first.append(request)
-            if request.num_output_tokens >= request.output_len:
+            if request.num_output_tokens >= request.stop_after:
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_LENGTH)
                 finished.append(request)
         return first, finished

@@ -260,8 +260,9 @@ def test_kv_signals_read_the_replica_engine_state(tmp_path: Path) -> None:
     queued = replica.kv_signals(hashes)
     # Waiting: its blocks are booked, its whole prompt is still to prefill, nothing cached yet.
     assert queued == KVSignals(0, -(-specs[0].prompt_len // BLOCK), 0, specs[0].prompt_len)
-    replica.start_step()
-    replica.finish_step()
+    duration = replica.start_step()
+    assert duration is not None
+    replica.finish_step(duration)
     running = replica.kv_signals(hashes)
     assert running.overlap_blocks == running.shared_active_blocks == 6
     assert running.active_prefill_tokens == 0
