@@ -22,13 +22,18 @@ another, and the stream ends with the 429 as an error event when none has room.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from deployments.admission import Lease, read_to_end
+from deployments.engine_backend import EngineBackend
 from deployments.engine_request import EngineError, EngineRequest, StreamItem
 from deployments.failover import (
     ChoiceProgress,
@@ -37,6 +42,9 @@ from deployments.failover import (
     resume_blocker,
     resume_request,
 )
+from deployments.http_errors import HTTPError
+
+logger = logging.getLogger("ray.serve")
 
 # Outcomes of an eligible prompt, the label of ``prefixserve_handoffs``.
 HANDED_OFF = "handed_off"  # decoded on the Engine deployment
@@ -176,3 +184,61 @@ class HandoffMetrics:
         self.publish_seconds.observe(item.handoff_s)
         started = time.perf_counter()
         return lambda: self.first_token_seconds.observe(time.perf_counter() - started)
+
+
+class PrefillFirst:
+    """The ingress side of disaggregation: which prompts go to the ``prefill`` backend first
+    (``eligible``), and the handoff of their streams to the ``decode`` backend."""
+
+    def __init__(
+        self,
+        prefill: EngineBackend,
+        decode: EngineBackend,
+        metrics: HandoffMetrics,
+        block_size: int,
+        min_blocks: int,
+    ) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.metrics = metrics
+        self.block_size = block_size
+        self.min_blocks = min_blocks
+        # Prefill streams read to their end after the handoff (held: the loop keeps weak refs).
+        self._draining: set[asyncio.Task[None]] = set()
+
+    def applies(self, req: EngineRequest) -> bool:
+        return eligible(req, self.block_size, self.min_blocks)
+
+    async def open(
+        self,
+        lease: Lease,
+        i: int,
+        n: int,
+        req: EngineRequest,
+        tokenizer: Any,
+        attempt: Callable[[EngineRequest, EngineBackend], Awaitable[StreamItem]],
+        block_hashes: Callable[[list[int]], list[int]],
+    ) -> StreamItem:
+        """Prompt ``i``'s first item from a prefill replica (``attempt`` runs a request on a
+        backend, retrying as the ingress does); ``lease.streams[i]`` then continues on the
+        decode side. Where no prefill replica serves it, it runs on the decode side whole."""
+        try:
+            item = await attempt(prefill_request(req), self.prefill)
+        except HTTPError as e:
+            if e.code not in ("engine_unavailable", "overloaded"):
+                raise
+            logger.warning("no prefill replica served the prompt (%s): running it colocated", e)
+            self.metrics.outcome(COLOCATED)
+            return await attempt(req, self.decode)
+        handoff = hand_off(tokenizer, req, item, block_hashes)
+        handoff.first.index += i * n
+        if handoff.decode is None:
+            self.metrics.outcome(ENDED_AT_PREFILL)
+            return handoff.first
+        on_first = self.metrics.handed_off(item)
+        drain = asyncio.get_running_loop().create_task(read_to_end(lease.streams[i]))
+        self._draining.add(drain)
+        drain.add_done_callback(self._draining.discard)
+        decode = self.decode.open(handoff.decode, i, len(lease.streams), key=f"{i}-decode")
+        lease.streams[i] = DecodeStream(handoff.seam, decode, on_first)
+        return handoff.first

@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse, Response
 from deployments import request_logging, tracing
 from deployments.admission import CONTENT_TYPE_LATEST, Admission
 from deployments.config import AppArgs
-from deployments.generation import EngineBackend, Generation
+from deployments.engine_backend import EngineBackend
+from deployments.generation import Generation
 from deployments.health import CachedVerdict, Reports, cluster_verdict, health_verdict
 from deployments.http_errors import HTTPError, install_error_handlers
 from deployments.metrics import render

@@ -24,7 +24,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse, Response
 from ray.exceptions import RayActorError
@@ -34,15 +34,8 @@ from deployments import request_logging, tracing
 from deployments.admission import Admission, Lease, LeasedStreamingResponse, gather, read_to_end
 from deployments.choices import merge_streams
 from deployments.config import AppArgs
-from deployments.disaggregation import (
-    COLOCATED,
-    ENDED_AT_PREFILL,
-    DecodeStream,
-    HandoffMetrics,
-    eligible,
-    hand_off,
-    prefill_request,
-)
+from deployments.disaggregation import HandoffMetrics, PrefillFirst
+from deployments.engine_backend import EngineBackend, EngineStream, RetryableError, prompt_text
 from deployments.engine_request import (
     DEADLINE_EXCEEDED,
     EngineError,
@@ -69,50 +62,6 @@ T = TypeVar("T")
 RETRY_BACKOFF_S = 0.1
 
 
-class EngineStream(Protocol):
-    """One engine request's items: ``StreamItem``s, the last with ``done``, or an
-    ``EngineError`` that ends it. ``cancel`` aborts the request."""
-
-    def __anext__(self) -> Awaitable[StreamItem]: ...
-
-    def cancel(self) -> None: ...
-
-
-class EngineBackend(Protocol):
-    """Where engine requests run. ``max_attempts``: tries per prompt (1 when a retry would
-    land on the same engine, which also rules out resuming a stream). ``kv_namespace``: the
-    engines' block-hash namespace, as they report it (None: not known yet). ``open``'s ``key``
-    names a call made beside the request's others (a resumed choice), which must not share
-    their routing identity."""
-
-    max_attempts: int
-
-    def open(
-        self, req: EngineRequest, index: int, num_prompts: int, key: str | None = None
-    ) -> EngineStream: ...
-
-    async def kv_namespace(self) -> str | None: ...
-
-
-class RetryableError(Exception):
-    """An engine attempt failed, or was full, before the client saw anything: try again (after
-    a pause when it failed). ``error`` is the answer if no attempt is left."""
-
-    def __init__(self, error: HTTPError, backoff: bool = True) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.backoff = backoff
-
-
-def prompt_text(tokenizer: Any, token_ids: list[int]) -> str:
-    """A prompt's tokens as text for a request router that matches text prefixes (Ray's
-    ``PrefixCacheAffinityRouter``): decoded with special tokens kept, since the chat template's
-    markers are cached like any other token. Never empty (that router divides by the length):
-    without a tokenizer, or where the tokens decode to nothing, the ids written out."""
-    text = "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=False)
-    return text or " ".join(map(str, token_ids)) or " "
-
-
 class Generation:
     """Runs ``GenerationJob``s on one backend; one per HTTP-serving replica."""
 
@@ -128,15 +77,18 @@ class Generation:
         self.args = args
         self.backend = backend
         self.admission = admission
-        self.prefill = prefill
-        self.handoffs = (
+        self.block_size = args.engine.block_size
+        self.prefill_first = (
             None
             if prefill is None
-            else HandoffMetrics(admission.metrics.registry, admission.metrics.ingress_id)
+            else PrefillFirst(
+                prefill,
+                backend,
+                HandoffMetrics(admission.metrics.registry, admission.metrics.ingress_id),
+                self.block_size,
+                args.kv_sharing.min_blocks,
+            )
         )
-        # Prefill streams read to their end after the handoff (held: the loop keeps weak refs).
-        self._draining: set[asyncio.Task[None]] = set()
-        self.block_size = args.engine.block_size
         self.hash_key = hash_key(args.kv_hash_key)
         self.retry_after = {"Retry-After": str(args.limits.retry_after_s)}
         self.traced = tracing.enabled(args.otlp_traces_endpoint)
@@ -295,40 +247,21 @@ class Generation:
         return items
 
     def _disaggregated(self, req: EngineRequest) -> bool:
-        return self.prefill is not None and eligible(
-            req, self.block_size, self.args.kv_sharing.min_blocks
-        )
+        return self.prefill_first is not None and self.prefill_first.applies(req)
 
     async def _prefill_then_decode(
         self, lease: Lease, i: int, engine_req: EngineRequest, n: int, tokenizer: Any
     ) -> StreamItem:
-        """Prompt ``i``'s first item from a Prefill replica; its stream then continues on the
-        decode side (``deployments.disaggregation``). Where no prefill replica serves it, it
-        runs on the decode side from the start."""
-        assert self.prefill is not None and self.handoffs is not None
-        try:
-            item = await self._attempt(
-                lease, i, prefill_request(engine_req), n, self._next_item, self.prefill
-            )
-        except HTTPError as e:
-            if e.code not in ("engine_unavailable", "overloaded"):
-                raise
-            logger.warning("no prefill replica served the prompt (%s): running it colocated", e)
-            self.handoffs.outcome(COLOCATED)
-            return await self._attempt(lease, i, engine_req, n, self._next_item)
-        handoff = hand_off(tokenizer, engine_req, item, self._hasher(engine_req))
-        handoff.first.index += i * n
-        if handoff.decode is None:
-            self.handoffs.outcome(ENDED_AT_PREFILL)
-            return handoff.first
-        on_first = self.handoffs.handed_off(item)
-        prefill_stream = lease.streams[i]
-        drain = asyncio.get_running_loop().create_task(read_to_end(prefill_stream))
-        self._draining.add(drain)
-        drain.add_done_callback(self._draining.discard)
-        decode = self.backend.open(handoff.decode, i, len(lease.streams), key=f"{i}-decode")
-        lease.streams[i] = DecodeStream(handoff.seam, decode, on_first)
-        return handoff.first
+        """Prompt ``i``'s first item from a Prefill replica, its stream then on the decode side
+        (``deployments.disaggregation.PrefillFirst``)."""
+        assert self.prefill_first is not None
+
+        def attempt(req: EngineRequest, backend: EngineBackend) -> Awaitable[StreamItem]:
+            return self._attempt(lease, i, req, n, self._next_item, backend)
+
+        return await self.prefill_first.open(
+            lease, i, n, engine_req, tokenizer, attempt, self._hasher(engine_req)
+        )
 
     async def _collect(self, stream: Any, offset: int) -> list[StreamItem]:
         items = [await self._next_item(stream, offset)]

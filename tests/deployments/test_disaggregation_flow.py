@@ -34,8 +34,8 @@ def _generation(decode: FakeBackend, prefill: FakeBackend) -> Generation:
 
 
 def _handoffs(gen: Generation, outcome: str) -> float:
-    assert gen.handoffs is not None
-    return gen.handoffs.outcomes.labels(ingress="test", outcome=outcome)._value.get()
+    assert gen.prefill_first is not None
+    return gen.prefill_first.metrics.outcomes.labels(ingress="test", outcome=outcome)._value.get()
 
 
 def _respond(gen: Generation, original: EngineRequest, tokenizer: Any) -> list[Any]:
@@ -46,7 +46,7 @@ def _respond(gen: Generation, original: EngineRequest, tokenizer: Any) -> list[A
         lease = gen.admission.lease(1, 1)
         first = await gen._open(lease, 0, original, 1, tokenizer)
         out = [b async for b in gen._sse(lease, [original], [first], builder, True)]
-        await asyncio.gather(*gen._draining)
+        await asyncio.gather(*gen.prefill_first._draining)
         return out
 
     events = sse_events(asyncio.run(run()))
@@ -107,7 +107,8 @@ def test_handed_off_text_is_the_undisturbed_text(
     assert [p for p, _, _ in prefill.opened] == [PROMPT]
     assert [p for p, _, _ in decode.opened] == [PROMPT + out[:1]]
     assert _handoffs(gen, "handed_off") == 1
-    assert gen.handoffs is not None and gen.handoffs.bytes._value.get() == 5000
+    assert gen.prefill_first is not None
+    assert gen.prefill_first.metrics.bytes._value.get() == 5000
 
 
 def test_a_choice_that_ends_at_its_first_token_never_reaches_the_decode_side(

@@ -31,10 +31,11 @@ from deployments.app import (
     ingress_serve_options,
 )
 from deployments.config import AppArgs
+from deployments.engine_backend import RetryableError
 from deployments.engine_request import EngineError, EngineRequest, StreamItem
 from deployments.engine_server import LocalBackend, LocalStream
 from deployments.frontend import health_verdict
-from deployments.generation import Generation, RetryableError
+from deployments.generation import Generation
 from deployments.http_errors import HTTPError
 from deployments.ingress import MAX_ATTEMPTS, HandleBackend, Ingress
 from deployments.openai_format import ResponseBuilder

@@ -16,8 +16,9 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router i
 
 from deployments.admission import Admission
 from deployments.config import AppArgs
+from deployments.engine_backend import prompt_text
 from deployments.engine_request import EngineRequest
-from deployments.generation import Generation, prompt_text
+from deployments.generation import Generation
 from deployments.request_router import request_router_config
 from deployments.validation import RequestValidator
 from tests.router.test_request_router import build_router, pending, run
