@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
-from prometheus_client import Counter, Gauge
 from ray import serve
 
 from deployments import request_logging, tracing
@@ -42,7 +41,7 @@ from deployments.engine_request import (
 )
 from deployments.fault_injection import install_stall_hook
 from deployments.kv_sharing import DeploymentActor, KVSharing
-from deployments.metrics import NAMESPACE_MISMATCH_DOC, ReplicaMetrics
+from deployments.metrics import NAMESPACE_MISMATCH_DOC, AdmittedCounts, ReplicaMetrics
 from deployments.replica_report import REGISTRY_ACTOR, ReplicaReporter, detached
 from deployments.stats_log import EngineStatsLog
 from deployments.stream_items import delta_item, timeout_item
@@ -115,40 +114,10 @@ class EngineReplica:
         self.metrics = ReplicaMetrics(self.replica_id, self.args.model_name, ray_export=True)
         # Loaded (or found unavailable, with a WARNING) while the engine was built.
         self.metrics.set_native_kernels(native.unavailable_reason())
-        self.num_admitted = 0
         # Reported to the routers, so that one that did not route a session's turn learns where
         # it went (sessions a few minutes idle age out of the report).
         self.recent_sessions = RecentSessions(capacity=16384, window_s=300.0)
-        self.admitted_peak = 0
-        self.admitted_gauge = Gauge(
-            "prefixserve_replica_requests_admitted",
-            "Requests admitted to the engine replica and not yet finished (running, waiting, or in "
-            "transit to the engine thread).",
-            ["replica"],
-            registry=self.metrics.registry,
-        )
-        self.admitted_peak_gauge = Gauge(
-            "prefixserve_replica_requests_admitted_peak",
-            "Most requests the engine replica has held at once since it started.",
-            ["replica"],
-            registry=self.metrics.registry,
-        )
-        self.rejected = Counter(
-            "prefixserve_replica_requests_rejected",
-            "Requests the engine replica refused (429) because it held its limit.",
-            ["replica"],
-            registry=self.metrics.registry,
-        )
-        self._set_admitted(0)
-        Gauge(
-            "prefixserve_replica_role",
-            "1 for the replica's role: colocated, or prefill / decode under disaggregation "
-            "(join on replica to split any replica metric by role).",
-            ["replica", "role"],
-            registry=self.metrics.registry,
-        ).labels(replica=self.replica_id, role=self.role).set(1)
-        self.admitted_peak_gauge.labels(replica=self.replica_id).set(0)
-        self.rejected.labels(replica=self.replica_id)
+        self.admitted = AdmittedCounts(self.metrics.registry, self.replica_id, self.role)
         self.coalesce_s = self.args.stream_interval_ms / 1000.0
         self.kv_sharing: KVSharing | None = None
         if self.args.kv_sharing.enabled:
@@ -211,11 +180,11 @@ class EngineReplica:
         )
         capacity = self.capacity
         # Checked and counted with no await in between: admission is atomic on the event loop.
-        if capacity is not None and self.num_admitted + req.n > capacity:
-            self.rejected.labels(replica=self.replica_id).inc()
+        if capacity is not None and self.admitted.count + req.n > capacity:
+            self.admitted.rejected.inc()
             refusal = error_item(
                 429,
-                f"engine replica overloaded: {self.num_admitted} requests admitted "
+                f"engine replica overloaded: {self.admitted.count} requests admitted "
                 f"(limit {capacity})",
                 "overloaded_error",
                 "overloaded",
@@ -226,23 +195,16 @@ class EngineReplica:
             yield refusal
             return
         # Each choice is a sequence of its own in the engine.
-        self._set_admitted(self.num_admitted + req.n)
+        self.admitted.set(self.admitted.count + req.n)
         try:
             async for item in self._generate(req, trace):
                 if trace is not None:
                     trace.observe(item)
                 yield item
         finally:
-            self._set_admitted(self.num_admitted - req.n)
+            self.admitted.set(self.admitted.count - req.n)
             if trace is not None:
                 trace.end()
-
-    def _set_admitted(self, n: int) -> None:
-        self.num_admitted = n
-        self.admitted_gauge.labels(replica=self.replica_id).set(n)
-        if n > self.admitted_peak:
-            self.admitted_peak = n
-            self.admitted_peak_gauge.labels(replica=self.replica_id).set(n)
 
     async def _generate(
         self, req: EngineRequest, trace: tracing.ReplicaTrace | None = None

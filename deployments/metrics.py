@@ -234,3 +234,49 @@ def render(snapshots: Iterable[Snapshot]) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_MergedCollector(snapshots))
     return generate_latest(registry)
+
+
+class AdmittedCounts:
+    """An engine replica's admission figures: requests admitted and not yet finished (running,
+    waiting, or in transit to the engine thread), their peak, the requests it refused (429)
+    because it held its limit, and its role under prefill/decode disaggregation."""
+
+    def __init__(self, registry: CollectorRegistry, replica_id: str, role: str) -> None:
+        self.count = 0
+        self.peak = 0
+        labels = ["replica"]
+        self.gauge = Gauge(
+            "prefixserve_replica_requests_admitted",
+            "Requests admitted to the engine replica and not yet finished (running, waiting, or "
+            "in transit to the engine thread).",
+            labels,
+            registry=registry,
+        ).labels(replica=replica_id)
+        self.peak_gauge = Gauge(
+            "prefixserve_replica_requests_admitted_peak",
+            "Most requests the engine replica has held at once since it started.",
+            labels,
+            registry=registry,
+        ).labels(replica=replica_id)
+        self.rejected = Counter(
+            "prefixserve_replica_requests_rejected",
+            "Requests the engine replica refused (429) because it held its limit.",
+            labels,
+            registry=registry,
+        ).labels(replica=replica_id)
+        Gauge(
+            "prefixserve_replica_role",
+            "1 for the replica's role: colocated, or prefill / decode under disaggregation "
+            "(join on replica to split any replica metric by role).",
+            ["replica", "role"],
+            registry=registry,
+        ).labels(replica=replica_id, role=role).set(1)
+        self.set(0)
+        self.peak_gauge.set(0)
+
+    def set(self, n: int) -> None:
+        self.count = n
+        self.gauge.set(n)
+        if n > self.peak:
+            self.peak = n
+            self.peak_gauge.set(n)

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
-from unittest.mock import Mock
 
 import pytest
 from fastapi.testclient import TestClient
@@ -31,7 +30,7 @@ from deployments.engine_replica import EngineReplica
 from deployments.engine_request import EngineRequest
 from deployments.engine_server import LocalBackend
 from deployments.frontend import OpenAIFrontend, openai_routes
-from deployments.metrics import ReplicaMetrics
+from deployments.metrics import AdmittedCounts, ReplicaMetrics
 from engine.async_engine import AsyncEngine
 from tests.deployments.support import sse_payloads
 from tests.engine.helpers import make_engine
@@ -120,8 +119,7 @@ def _replica(args: AppArgs, engine: AsyncEngine) -> EngineReplica:
     replica.coalesce_s = args.stream_interval_ms / 1000.0
     replica.metrics = ReplicaMetrics(REPLICA, args.model_name)
     replica.reporter = SimpleNamespace(ensure_started=lambda: None)
-    replica.num_admitted = replica.admitted_peak = 0
-    replica.admitted_gauge = replica.admitted_peak_gauge = replica.rejected = Mock()
+    replica.admitted = AdmittedCounts(replica.metrics.registry, REPLICA, "colocated")
     return replica
 
 
