@@ -108,6 +108,8 @@ def delta(before: Snapshot, after: Snapshot) -> dict[str, float]:
     snapshots included."""
     rows: dict[str, float] = defaultdict(float)
     for pid, (name, cpu) in after.items():
+        if pid == MACHINE:
+            continue
         start = before.get(pid, (name, 0.0))[1]
         rows[name] += max(cpu - start, 0.0)
     rows["machine busy"] = after[MACHINE][1] - before[MACHINE][1]
