@@ -336,7 +336,7 @@ def serve_command(
 ) -> int:
     """Validate, convert a built-in model once up front (as `make serve` does), write the config
     and hand it to ``runner``."""
-    from deployments.ray_env import SERVE_PROCESS_ENV
+    from deployments.ray_env import LAPTOP_RAY_ENV, SERVE_PROCESS_ENV
     from engine.model.loader import resolve_model
 
     config = _serve_config(ns, parser)
@@ -346,8 +346,12 @@ def serve_command(
         print(f"model: {resolve_model(model)}", file=sys.stderr)
     except ValueError as e:
         parser.error(f"argument MODEL: {e}")
-    # Serve's controller and proxy read these where Ray starts (deployments/ray_env.py).
-    for key, value in {**LAUNCH_ENV, **SERVE_PROCESS_ENV}.items():
+    # Serve's controller and proxy read these where Ray starts (deployments/ray_env.py); the
+    # laptop settings only when this command starts the cluster (a running one keeps its own).
+    env = {**LAUNCH_ENV, **SERVE_PROCESS_ENV}
+    if ns.address == "local":
+        env.update(LAPTOP_RAY_ENV)
+    for key, value in env.items():
         os.environ.setdefault(key, value)
     with tempfile.TemporaryDirectory(prefix="prefixserve-") as tmp:
         path = Path(tmp) / "serve_config.yaml"

@@ -24,6 +24,25 @@ HTTP on a 2-vCPU machine (docs/benchmarks.md):
   and every streamed chunk to a second loop on another thread. A ``/health`` burst costs about a
   third as much; the handlers must never block that loop, which is why bodies above a few KiB
   are validated in a worker pool (``deployments.frontend``) and the engine runs on its own thread.
+
+``LAPTOP_RAY_ENV`` is for a Ray cluster that the launch starts on the machine it serves from
+(``make serve``, ``prefixserve serve`` with its default ``--address local``), where the engine
+keeps every core busy and whatever Ray's own processes spend is taken from it. It lengthens
+polling periods that only cost latency of observability, never of requests; it is not baked into
+the image, so KubeRay's clusters keep Ray's defaults. Each setting's saving is measured per
+process in docs/benchmarks.md ("Where an idle laptop stack's CPU goes"):
+
+* ``RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0`` and ``LOG_NAME_UPDATE_INTERVAL_S=5``: Ray's log
+  monitor (which forwards the workers' output to ``serve run``'s console) lists the log
+  directory on every 0.1 s pass while the node has fewer than 1,000 log files; with these it lists
+  it every 5 s. A new worker's lines reach the console up to 5 s later, none is lost (a newly
+  found file is read from its start); lines of known files still go out within 0.1 s.
+* ``REPORTER_UPDATE_INTERVAL_MS=30000``: the dashboard agent samples every worker's CPU and
+  memory with psutil every 5 s by default, for the dashboard's node view and Ray's node metrics;
+  these then move every 30 s.
+* ``RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=1000``: Serve's replicas, proxy and handles hand their
+  cached metrics to Ray's metrics pipeline every 0.1 s by default; once a second is still finer
+  than any Prometheus scrape. ``/metrics`` is the app's own and is not affected.
 """
 
 from __future__ import annotations
@@ -34,4 +53,12 @@ SERVE_PROCESS_ENV: dict[str, str] = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+}
+
+# Only where the launch starts the Ray cluster itself on a laptop (see the module docstring).
+LAPTOP_RAY_ENV: dict[str, str] = {
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+    "LOG_NAME_UPDATE_INTERVAL_S": "5",
+    "REPORTER_UPDATE_INTERVAL_MS": "30000",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
 }

@@ -21,7 +21,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 from deployments.config import AppArgs
-from deployments.ray_env import SERVE_PROCESS_ENV
+from deployments.ray_env import LAPTOP_RAY_ENV, SERVE_PROCESS_ENV
 from tests.deploy import dockerfile
 from tests.deploy.kube import CustomResourceValidator, parse_quantity
 from tests.deploy.rayservice import (
@@ -502,6 +502,21 @@ def test_every_launcher_sets_the_serve_process_env(docker: list[dockerfile.Instr
     for key, value in SERVE_PROCESS_ENV.items():
         assert image_env.get(key) == value, key
         assert f"export {key} ?= {value}" in makefile, key
+
+
+def test_only_the_laptop_launch_sets_the_laptop_env(docker: list[dockerfile.Instruction]) -> None:
+    """`make serve` exports the laptop settings (with the values of deployments/ray_env.py);
+    the image and the RayService manifests leave them at Ray's defaults."""
+    image_env = dockerfile.env(docker)
+    makefile = (ROOT / "Makefile").read_text().splitlines()
+    for key, value in LAPTOP_RAY_ENV.items():
+        assert f"export {key} ?= {value}" in makefile, key
+        assert key not in image_env, key
+    assert not set(LAPTOP_RAY_ENV) & set(SERVE_PROCESS_ENV)
+    for variant in VARIANTS:
+        for group, container in ray_containers(load_manifest(variant)):
+            names = {env["name"] for env in container.get("env", [])}
+            assert not names & set(LAPTOP_RAY_ENV), (variant, group)
 
 
 def _run_install_step(

@@ -15,7 +15,7 @@ import yaml
 
 from deployments import cli
 from deployments.config import AppArgs, EngineArgs
-from deployments.ray_env import SERVE_PROCESS_ENV
+from deployments.ray_env import LAPTOP_RAY_ENV, SERVE_PROCESS_ENV
 from tests.deploy.kube import YAML_LOADER, CustomResourceValidator
 from tests.deploy.rayservice import (
     CRD_MISSING,
@@ -237,6 +237,39 @@ def test_serve_runs_the_printed_config(
     ns = parser.parse_args(["serve", *argv, "--address", "auto"])
     assert cli.serve_command(ns, ns.subparser, runner=runner) == 0
     assert seen["address"] == "auto"
+
+
+def test_serve_applies_the_laptop_env_only_to_a_cluster_it_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The laptop settings reach the Ray cluster `prefixserve serve` starts (the environment of
+    the process that calls ray.init); joining a running cluster leaves them unset, and a value
+    the user exported wins."""
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    parser = cli.build_parser()
+    seen: dict[str, Any] = {}
+
+    def runner(path: Path, address: str) -> int:
+        seen["env"] = {k: os.environ.get(k) for k in LAPTOP_RAY_ENV}
+        return 0
+
+    def serve(*extra: str) -> dict[str, str | None]:
+        for key in (*SERVE_PROCESS_ENV, *cli.LAUNCH_ENV, *LAPTOP_RAY_ENV):
+            monkeypatch.delenv(key, raising=False)
+        ns = parser.parse_args(["serve", str(model), "--port", "9000", *extra])
+        assert cli.serve_command(ns, ns.subparser, runner=runner) == 0
+        return seen["env"]
+
+    assert serve() == LAPTOP_RAY_ENV
+    assert serve("--address", "auto") == dict.fromkeys(LAPTOP_RAY_ENV)
+    for key in (*SERVE_PROCESS_ENV, *cli.LAUNCH_ENV, *LAPTOP_RAY_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("REPORTER_UPDATE_INTERVAL_MS", "5000")
+    ns = parser.parse_args(["serve", str(model), "--port", "9000"])
+    assert cli.serve_command(ns, ns.subparser, runner=runner) == 0
+    assert seen["env"] == {**LAPTOP_RAY_ENV, "REPORTER_UPDATE_INTERVAL_MS": "5000"}
 
 
 def test_serve_refuses_a_missing_model_before_starting_ray() -> None:
