@@ -75,10 +75,16 @@ def import_blocks(
     chunks = [chunks] if isinstance(chunks, torch.Tensor) else chunks
     check_layout(runner, hashes, chunks)
     pool = kv.pool
-    missing = [i for i, h in enumerate(hashes) if pool.get_cached_block(h) is None]
+    present = {i: pool.get_cached_block(h) for i, h in enumerate(hashes)}
+    held = {i: b for i, b in present.items() if b is not None}
+    missing = [i for i, b in present.items() if b is None]
     if not missing:
         return len(hashes), 0
+    # Pinned while the missing blocks are allocated: allocation evicts from the head of the free
+    # queue, which may be this very run's cached blocks.
+    pool.touch(held.values())
     if len(missing) > pool.num_free_blocks - kv.watermark_blocks:
+        pool.free(held[i] for i in sorted(held, reverse=True))
         return missing[0], 0
     blocks = pool.allocate(len(missing))
     by_index = dict(zip(missing, blocks, strict=True))
@@ -93,5 +99,6 @@ def import_blocks(
     for i, block in by_index.items():
         pool.cache_block(block, hashes[i])
     # Free in reverse so that the head of the run is evicted last.
-    pool.free(reversed(blocks))
+    run = {**held, **by_index}
+    pool.free(run[i] for i in sorted(run, reverse=True))
     return len(hashes), len(missing)

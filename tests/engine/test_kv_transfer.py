@@ -77,6 +77,23 @@ def test_import_refuses_when_pool_is_too_small(tiny_llama) -> None:
     assert llm.engine.kv.pool.num_free_blocks == 4
 
 
+def test_import_never_evicts_the_runs_own_cached_blocks(tiny_llama) -> None:
+    # The run's two leading blocks are cached here and first in the free queue, so allocating
+    # room for the other four would evict them were they not held meanwhile.
+    llm = LLM(model=str(tiny_llama), dtype="float32", block_size=16, num_kv_blocks=8)
+    pool = llm.engine.kv.pool
+    blocks = pool.allocate(8)
+    for block, h in zip(blocks[:2], (101, 102), strict=True):
+        pool.cache_block(block, h)
+    pool.free(blocks)
+    kv = torch.zeros(6, *llm.engine.kv_block_shape)
+    hashes = [101, 102, 103, 104, 105, 106]
+    assert import_blocks(llm.engine.kv, llm.engine.runner, hashes, kv) == (6, 4)
+    assert all(pool.get_cached_block(h) is not None for h in hashes)
+    assert pool.num_free_blocks == 8
+    pool.check_invariants()
+
+
 @pytest.mark.parametrize(("source", "target"), [("bfloat16", "float32"), ("float32", "bfloat16")])
 def test_kv_of_another_dtype_is_never_used(tiny_llama, source: str, target: str) -> None:
     prompt = _prompt(4)
