@@ -190,7 +190,7 @@ class DisaggregatedCluster(Cluster):
         for i, replica in enumerate(self.decode):
             if replica.num_ongoing >= limit:
                 continue
-            held = _held_prefix_blocks(replica, hashes)
+            held = replica.held_prefix_blocks(hashes)
             reserved = footprint - held
             room = replica.kv.num_blocks - replica.kv.watermark_blocks
             if self._committed[replica.replica_id] + reserved > room:
@@ -240,19 +240,6 @@ def _install_prompt(replica: SimReplica, handoff: Handoff) -> bool:
     pool.free(reversed([mine[h] for h in hashes if h in mine]))
     handoff.pinned = []
     return ok
-
-
-def _held_prefix_blocks(replica: SimReplica, hashes: Sequence[int]) -> int:
-    """Leading prompt blocks cached on ``replica`` and held by a running request there: the
-    request will share them instead of taking free blocks."""
-    pool = replica.kv.pool
-    n = 0
-    for h in hashes:
-        block = pool.get_cached_block(h)
-        if block is None or block.ref_cnt <= 0:
-            break
-        n += 1
-    return n
 
 
 def make_cluster(profile: Profile, config: ClusterConfig, prefill: int = 0) -> Cluster:

@@ -225,17 +225,24 @@ class SimReplica:
             n += 1
         return n
 
+    def held_prefix_blocks(self, hashes: Sequence[int]) -> int:
+        """Leading blocks of ``hashes`` cached here and held by an admitted request (a request
+        with that prefix shares them instead of taking free blocks)."""
+        pool = self.kv.pool
+        n = 0
+        for h in hashes:
+            block = pool.get_cached_block(h)
+            if block is None or block.ref_cnt <= 0:
+                break
+            n += 1
+        return n
+
     def kv_signals(self, hashes: list[int] | tuple[int, ...] | Sequence[int]) -> KVSignals:
         """What Dynamo's KV events and lifecycle hooks tell its router about this replica, read
         exactly at ``now``: blocks held by admitted requests plus the prompt blocks of requests
         not admitted yet (Dynamo books those when it routes them), and tokens still to prefill."""
         pool = self.kv.pool
-        shared = 0
-        for h in hashes:
-            block = pool.get_cached_block(h)
-            if block is None or block.ref_cnt <= 0:
-                break
-            shared += 1
+        shared = self.held_prefix_blocks(hashes)
         bt = self.block_tokens
         queued = sum(
             -(-r.num_tokens // bt)
