@@ -22,7 +22,7 @@ from deployments.ingress import Ingress
 from deployments.kv_directory import KVDirectory
 from deployments.registry import ReplicaRegistry
 from deployments.replica_report import REGISTRY_ACTOR
-from deployments.request_router import request_router_config
+from deployments.request_router_config import request_router_config
 from deployments.route_app import ReplicaChooser
 from engine.model.loader import check_model
 

@@ -19,7 +19,7 @@ from deployments.config import AppArgs
 from deployments.engine_backend import prompt_text
 from deployments.engine_request import EngineRequest
 from deployments.generation import Generation
-from deployments.request_router import request_router_config
+from deployments.request_router_config import request_router_config
 from deployments.validation import RequestValidator
 from tests.router.test_request_router import build_router, pending, run
 

@@ -23,9 +23,9 @@ from deployments.config import RouterArgs
 from deployments.request_router import (
     request_block_hashes,
     request_directory_hashes,
-    request_router_config,
     request_session,
 )
+from deployments.request_router_config import request_router_config
 from tests.router.support import report
 
 DEPLOYMENT = DeploymentID(name="Engine", app_name="prefixserve")
