@@ -9,9 +9,10 @@ died, refused with 429, or its engine had died before the request got there) is 
 to the backend's ``max_attempts`` (another replica may succeed; a local backend has one). A
 non-streamed request is retried even after tokens were produced, since none were sent. A stream
 that already started is resumed on another replica from the tokens already sent, where the
-backend has other replicas and the request's sampling allows it (``deployments.failover``), at
-most ``failover.MAX_RESUMES`` times; otherwise it ends with an SSE error event. A request that was
-running when its engine loop died is not retried (it may be what broke it): it gets a 503.
+backend has other replicas and the request's sampling allows it
+(``deployments.stream_resumer``), at most ``failover.MAX_RESUMES`` times; otherwise it ends with
+an SSE error event. A request that was running when its engine loop died is not retried (it may
+be what broke it): it gets a 503.
 
 Under prefill/decode disaggregation an eligible prompt's first token comes from the Prefill
 deployment and the rest from the Engine deployment, as a planned resumption
@@ -35,24 +36,18 @@ from deployments.admission import Admission, Lease, LeasedStreamingResponse, gat
 from deployments.choices import merge_streams
 from deployments.config import AppArgs
 from deployments.disaggregation import HandoffMetrics, PrefillFirst
-from deployments.engine_backend import EngineBackend, EngineStream, RetryableError, prompt_text
+from deployments.engine_backend import EngineBackend, RetryableError, prompt_text
 from deployments.engine_request import (
     DEADLINE_EXCEEDED,
     EngineError,
     EngineRequest,
     StreamItem,
 )
-from deployments.failover import (
-    MAX_RESUMES,
-    PromptProgress,
-    ResumedStream,
-    SeamDetokenizer,
-    resume_blocker,
-    resume_request,
-)
+from deployments.failover import PromptProgress
 from deployments.http_errors import HTTPError
 from deployments.kv_namespace import prompt_block_hashes
 from deployments.openai_format import ResponseBuilder, error_body, sse
+from deployments.stream_resumer import StreamResumer
 from deployments.validation import GenerationJob
 from engine.block_hash import hash_key
 
@@ -90,6 +85,7 @@ class Generation:
             )
         )
         self.hash_key = hash_key(args.kv_hash_key)
+        self.resumer = StreamResumer(backend, admission, self._next_item, self._hasher)
         self.retry_after = {"Retry-After": str(args.limits.retry_after_s)}
         self.traced = tracing.enabled(args.otlp_traces_endpoint)
         # Ray's prefix router reads the prompt's text; our policies never need it.
@@ -238,7 +234,7 @@ class Generation:
             progress = PromptProgress(engine_req, i * n)
             progress.observe(items[0])
             while not items[-1].done:
-                items.append(await self._next_or_resume(lease, i, progress, tokenizer))
+                items.append(await self.resumer.next_or_resume(lease, i, progress, tokenizer))
                 progress.observe(items[-1])
         else:
             items = await self._attempt(lease, i, engine_req, n, self._collect)
@@ -306,74 +302,6 @@ class Generation:
             503, message, "service_unavailable", code="engine_unavailable", headers=self.retry_after
         )
 
-    async def _next_or_resume(
-        self, lease: Lease, i: int, progress: PromptProgress, tokenizer: Any
-    ) -> StreamItem:
-        """Prompt ``i``'s next item; its stream resumed on another replica when it fails in a
-        way another replica may not (see ``deployments.failover``)."""
-        while True:
-            try:
-                return await self._next_item(lease.streams[i], progress.offset)
-            except RetryableError as e:
-                lease.streams[i].cancel()
-                lease.streams[i] = self._resume(e, lease, i, progress, tokenizer)
-
-    def _resume(
-        self,
-        error: RetryableError,
-        lease: Lease,
-        i: int,
-        progress: PromptProgress,
-        tokenizer: Any,
-    ) -> ResumedStream:
-        """Prompt ``i``'s unfinished choices, each opened again after the tokens it sent;
-        raises ``error``'s HTTP error when the stream cannot be resumed."""
-        original = progress.request
-        failed = lease.streams[i]
-        # A resumed stream that failed before any item met a dead or full replica: open again,
-        # as a first attempt would be, without counting a failover.
-        reopen = isinstance(failed, ResumedStream) and not failed.delivered
-        why = resume_blocker(original.sampling)
-        if self.backend.max_attempts <= 1:
-            why = "the engine runs in the process that serves the stream"
-        elif not reopen and progress.resumes >= MAX_RESUMES:
-            why = f"resumed {progress.resumes} times already"
-        elif reopen and progress.reopens + 1 >= self.backend.max_attempts:
-            why = f"{progress.reopens + 1} resumed requests failed before any output"
-        parts: list[tuple[SeamDetokenizer, EngineStream]] = []
-        if why is None:
-            if reopen:
-                progress.reopens += 1
-            else:
-                progress.resumes += 1
-            hasher = self._hasher(original)
-            try:
-                for k in progress.unfinished():
-                    choice = progress.choices[k]
-                    req = resume_request(original, k, choice, progress.opened, hasher)
-                    seam = SeamDetokenizer(tokenizer, original, k, choice)
-                    key = f"{i}-resume{progress.opened}-{k}"
-                    parts.append((seam, self.backend.open(req, i, len(lease.streams), key)))
-            except ValueError as e:
-                why = str(e)
-        if why is not None:
-            for _, stream in parts:
-                stream.cancel()
-            logger.warning("engine stream failed after output, not resumed (%s): %s", why, error)
-            raise error.error from error
-        if not reopen:
-            self.admission.metrics.failovers.inc(len(parts))
-        logger.warning(
-            "engine stream failed after output (%s): %s %d choice(s) on another replica "
-            "(failover %d of at most %d)",
-            error,
-            "opening again" if reopen else "resuming",
-            len(parts),
-            progress.resumes,
-            MAX_RESUMES,
-        )
-        return ResumedStream(parts)
-
     def _hasher(self, req: EngineRequest) -> Callable[[list[int]], list[int]]:
         """Block hashes of a prompt as ``req``'s were computed."""
         return lambda ids: prompt_block_hashes(
@@ -397,7 +325,7 @@ class Generation:
                 if item.done:
                     lease.ended[i] = True
                     return
-                item = await self._next_or_resume(lease, i, progress, builder.tokenizer)
+                item = await self.resumer.next_or_resume(lease, i, progress, builder.tokenizer)
 
         try:
             if builder.chat:
