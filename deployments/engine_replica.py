@@ -43,14 +43,13 @@ from deployments.fault_injection import install_stall_hook
 from deployments.kv_sharing import DeploymentActor, KVSharing
 from deployments.metrics import NAMESPACE_MISMATCH_DOC, AdmittedCounts, ReplicaMetrics
 from deployments.replica_report import REGISTRY_ACTOR, ReplicaReporter, detached
+from deployments.request_timings import RequestTimings
 from deployments.stats_log import EngineStatsLog
 from deployments.stream_items import delta_item, timeout_item
-from deployments.vllm_metrics import ChoiceTimer
 from engine.async_engine import AsyncEngine, EngineDeadError, build_on_own_thread
 from engine.block_hash import BlockHash, compute_block_hashes
 from engine.kernels import native
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestDelta
 from router.affinity import RecentSessions
 
 logger = logging.getLogger("ray.serve")
@@ -218,18 +217,7 @@ class EngineReplica:
             )
             return
         params = req.sampling
-        arrival = time.monotonic()
-        if self.args.enable_log_requests:
-            logger.info(
-                "engine request added: prompt_tokens=%d max_tokens=%s n=%d",
-                len(req.prompt_token_ids),
-                params.max_tokens,
-                req.n,
-            )
-        first_at: float | None = None
-        timers = [ChoiceTimer(arrival) for _ in range(req.n)]
-        # Each choice's latest delta; a choice is finished when its latest delta is.
-        last: list[RequestDelta | None] = [None] * req.n
+        timings = RequestTimings(req, self.metrics, self.args.enable_log_requests)
         timeout_s = req.timeout_s or self.args.limits.request_timeout_s
         fetched = None
         # Imported KV, like cached KV, has no logits: prompt logprobs compute the whole prompt.
@@ -281,11 +269,7 @@ class EngineReplica:
                         DEADLINE_EXCEEDED,
                     )
                     return
-                if first_at is None:
-                    first_at = time.monotonic()
-                timers[index].on_item(sum(len(d.new_token_ids) for d in batch))
-                last[index] = batch[-1]
-                done = all(d is not None and d.finished for d in last)
+                done = timings.on_batch(index, batch)
                 item = delta_item(self.replica_id, batch, index, done)
                 if done and req.handoff and self.kv_sharing is not None:
                     full = len(req.prompt_token_ids) // self.engine.block_size
@@ -295,9 +279,10 @@ class EngineReplica:
                     item.handoff_s = time.perf_counter() - started
                 yield item
         except TimeoutError:
-            unfinished = [k for k, d in enumerate(last) if d is None or not d.finished]
+            unfinished = timings.unfinished()
             for k in unfinished:
-                yield timeout_item(self.replica_id, req, last[k], k, done=k == unfinished[-1])
+                last = timings.last[k]
+                yield timeout_item(self.replica_id, req, last, k, done=k == unfinished[-1])
         except ValueError as e:
             yield error_item(400, str(e), "invalid_request_error")
         except EngineDeadError as e:
@@ -308,25 +293,7 @@ class EngineReplica:
             yield error_item(500, f"internal error: {type(e).__name__}", "internal_error")
         finally:
             await merged.aclose()
-            for k, (delta, timer) in enumerate(zip(last, timers, strict=True)):
-                if delta is not None and delta.finished and first_at is not None:
-                    if trace is not None:
-                        trace.choice(k, timer, delta)
-                    n = delta.num_output_tokens
-                    tpot = (time.monotonic() - first_at) / (n - 1) if n > 1 else None
-                    self.metrics.observe_request(first_at - arrival, tpot)
-                    self.metrics.vllm.observe_finished(timer, delta)
-                    if self.args.enable_log_requests:
-                        logger.info(
-                            "engine request finished: finish_reason=%s prompt_tokens=%d "
-                            "output_tokens=%d cached_tokens=%d ttft_ms=%.1f e2e_ms=%.1f",
-                            delta.finish_reason,
-                            delta.num_prompt_tokens,
-                            delta.num_output_tokens,
-                            delta.num_cached_tokens,
-                            1000 * ((delta.first_token_time or timer.last_at) - arrival),
-                            1000 * (timer.last_at - arrival),
-                        )
+            timings.record(trace)
 
     def _block_hashes(self, req: EngineRequest) -> list[BlockHash]:
         """The prompt's block hashes under this engine's namespace: the HTTP side's when it
