@@ -44,6 +44,7 @@ from deployments.kv_sharing import DeploymentActor, KVSharing
 from deployments.metrics import NAMESPACE_MISMATCH_DOC, AdmittedCounts, ReplicaMetrics
 from deployments.replica_report import REGISTRY_ACTOR, ReplicaReporter, detached
 from deployments.request_timings import RequestTimings
+from deployments.routing_stats import routing_snapshot
 from deployments.stats_log import EngineStatsLog
 from deployments.stream_items import delta_item, timeout_item
 from engine.async_engine import AsyncEngine, EngineDeadError, build_on_own_thread
@@ -321,25 +322,10 @@ class EngineReplica:
 
     # -- reporting -------------------------------------------------------------------------------
     def _routing_snapshot(self, engine: LLMEngine) -> dict[str, Any]:
-        """Runs on the engine thread, where the block pool is consistent."""
-        same, cross = (
-            (None, None) if self.kv_sharing is None else self.kv_sharing.transfer_cost_ratios()
+        """Runs on the engine thread (``deployments.routing_stats``)."""
+        return routing_snapshot(
+            engine, self.replica_id, self.started_at, self.node_id, self.kv_sharing
         )
-        return {
-            "replica_id": self.replica_id,
-            "started_at": self.started_at,
-            "block_size": engine.block_size,
-            "num_running": engine.scheduler.num_running,
-            "num_waiting": engine.scheduler.num_waiting,
-            "num_pending_prefill_tokens": engine.scheduler.num_pending_prefill_tokens,
-            "kv_free_blocks": engine.kv.pool.num_free_blocks,
-            "kv_total_blocks": engine.kv.pool.num_blocks,
-            "cached_block_hashes": engine.kv.pool.cached_hashes(),
-            "reported_at": time.time(),
-            "transfer_cost_ratio": same,
-            "cross_node_transfer_cost_ratio": cross,
-            "node_id": self.node_id,
-        }
 
     async def record_routing_stats(self) -> dict[str, Any]:
         self._ensure_reporter()
