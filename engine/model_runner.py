@@ -199,11 +199,16 @@ class ModelRunner:
     def run(self, batch: BatchInputs) -> StepOutput:
         """``execute`` of a batch already prepared (every pending token filled in)."""
         assert not batch.pending, "fill_pending() first"
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        # Prompt logprobs read every prompt row's hidden state; otherwise, where a prompt chunk
+        # samples fewer rows than it computes, only the sampled rows go through the last layer.
+        sampled = batch.logits_indices
+        pruned = not batch.prompt_rows and sampled.numel() < batch.input_ids.numel()
+        keep = sampled if pruned else None
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, keep)
         prompt_logprobs = [(p.request, self._prompt_logprobs(hidden, p)) for p in batch.prompt_rows]
         if not batch.sample_requests:
             return StepOutput([], SamplerOutput([], []), prompt_logprobs)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.model.compute_logits(hidden if pruned else hidden[sampled])
         return StepOutput(
             batch.sample_requests, self.sampler(logits, batch.sample_requests), prompt_logprobs
         )

@@ -83,3 +83,50 @@ def test_transferred_blocks_serve_as_a_prefix(tiny_llama):
         got += [t for d in dst.step() for t in d.new_token_ids]
     assert request.num_cached_tokens == 32
     assert got == expected
+
+
+def test_the_last_layer_runs_only_for_the_rows_that_sample(tiny_llama):
+    """A chunk that samples a few of its rows gets those rows' hidden states as the full
+    forward computes them, and writes the same KV for every token."""
+    outputs = []
+    for prune in (False, True):
+        engine = make_engine(tiny_llama, block_size=8)
+        runner = engine.runner
+        requests = [
+            engine.add_request(name, tokens(n, seed), SamplingParams(temperature=0.0))
+            for name, n, seed in (("a", 20, 0), ("b", 13, 1), ("c", 9, 2))
+        ]
+        for r in requests:
+            assert engine.kv.allocate_slots(r, r.num_tokens)
+        batch = runner.prepare(
+            [ScheduledSeq(r, r.num_tokens, engine.kv.block_ids(r.request_id)) for r in requests]
+        )
+        keep = batch.logits_indices if prune else None
+        with torch.inference_mode():
+            hidden = runner.model(
+                batch.input_ids, batch.positions, runner.kv_caches, batch.meta, keep
+            )
+        if prune:
+            assert hidden.shape[0] == 3 < batch.input_ids.numel()
+        else:
+            hidden = hidden[batch.logits_indices]
+        outputs.append((hidden, runner.read_blocks(list(range(6)))))
+    (full, full_kv), (pruned, pruned_kv) = outputs
+    torch.testing.assert_close(pruned, full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pruned_kv, full_kv)
+
+
+def test_a_chunk_that_samples_nothing_still_writes_its_kv(tiny_llama):
+    engine = make_engine(tiny_llama, block_size=8)
+    runner = engine.runner
+    a = engine.add_request("a", tokens(24, 5), SamplingParams(temperature=0.0))
+    assert engine.kv.allocate_slots(a, 16)
+    batch = runner.prepare([ScheduledSeq(a, 16, engine.kv.block_ids("a"))])
+    assert batch.logits_indices.numel() == 0
+    before = runner.read_blocks([0, 1])
+    with torch.inference_mode():
+        hidden = runner.model(
+            batch.input_ids, batch.positions, runner.kv_caches, batch.meta, batch.logits_indices
+        )
+    assert hidden.shape[0] == 0
+    assert not torch.equal(runner.read_blocks([0, 1]), before)
