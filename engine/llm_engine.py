@@ -411,6 +411,7 @@ class LLMEngine:
         step = self.runner.execute(self.scheduled_seqs(out))
         self.observe_prefill(out, started)
         self.scheduler.update_from_output(out)
+        self.report_prefill_chunks(out)
         return rejected + self.finish_step(step)
 
     def scheduled_seqs(self, out: SchedulerOutput) -> list[ScheduledSeq]:
@@ -444,6 +445,16 @@ class LLMEngine:
         if not decoding.isdisjoint(self._decoding):
             self.stats.observe_decode_step(started - self._decoding_at)
         self._decoding, self._decoding_at = decoding, started
+
+    def report_prefill_chunks(self, out: SchedulerOutput) -> None:
+        """Once the step ran and its progress is counted: tell the KV connector about each
+        prompt the step computed a chunk of without finishing it (``finish_step`` reports the
+        finished ones, at their first token)."""
+        if self.kv_connector is None:
+            return
+        for request, _ in out.scheduled:
+            if request.num_computed_tokens < request.num_tokens:
+                self.kv_connector.on_prefill_chunk(request)
 
     def finish_step(self, step: StepOutput) -> list[RequestDelta]:
         """Append the step's sampled tokens, stop what must stop, and build its deltas (the
