@@ -9,12 +9,14 @@ Two paths put blocks in the object store and register them in the directory, bot
   numpy array (zero-copy reads for every importer), puts it in the object store from a worker
   thread and registers it with its layout. The engine step never waits on it.
 * **Handoff** (prefill/decode disaggregation): a prefill replica announces a handed-off request
-  before it reaches the engine (``expect_handoff``). Each prefill chunk that computes full
-  blocks of its prompt reports them (``on_prefill_chunk``, engine thread) and they are
-  published at once, one publish at a time per request, while the next chunk computes. When
-  the prefill ends, ``hand_off`` waits for those, publishes the rest (the last chunk's blocks)
-  and returns how many leading blocks the directory holds: the replica sends the first token
-  only after that, so the decode replica's lookup cannot race the publish.
+  before it reaches the engine (``expect_handoff``). Each prefill chunk's newly computed full
+  blocks are exported right where the engine reports the chunk (``on_prefill_chunk``, on the
+  engine thread between steps: an export queued behind the next chunk would wait for its whole
+  step), and put and registered from the event loop while the next chunk computes, one run at
+  a time per request; the last chunk's at the first token (``on_prompt_computed``). When the
+  prefill ends, ``hand_off`` waits for those runs, publishes whatever the directory still
+  lacks and returns how many leading blocks it holds: the replica sends the first token only
+  after that, so the decode replica's lookup cannot race the publish.
 
 Publishing is best effort: a failure is logged and leaves blocks to be recomputed by importers.
 """
@@ -65,15 +67,18 @@ def _export_numpy(engine: LLMEngine, hashes: list[BlockHash]) -> tuple[list[Bloc
     return found, to_numpy(kv)
 
 
+Run = tuple[list[BlockHash], np.ndarray]
+
+
 @dataclass
 class _Handoff:
-    """A handed-off request's chunk-wise publication. ``target``: its prompt's full blocks
-    computed so far; ``published``: how many of them the publishing ``task`` has covered.
-    Touched on the event loop only."""
+    """A handed-off request's chunk-wise publication. ``exported``: the prompt blocks exported
+    so far (None: none yet), touched on the engine thread only; ``runs``: exported runs not yet
+    stored, in prompt order, and ``task``, storing them, touched on the event loop only."""
 
     loop: asyncio.AbstractEventLoop
-    target: list[BlockHash] = field(default_factory=list)
-    published: int = 0
+    exported: int | None = None
+    runs: collections.deque[Run] = field(default_factory=collections.deque)
     task: asyncio.Task[None] | None = None
 
 
@@ -110,7 +115,9 @@ class KVPublisher:
 
     # -- background ------------------------------------------------------------------------------
     def on_prompt_computed(self, request: Request) -> None:
-        """Engine thread: queue the prompt blocks this replica computed itself."""
+        """Engine thread: queue the prompt blocks this replica computed itself (a handed-off
+        prompt's are exported now)."""
+        self._export_computed(request, request.num_prompt_tokens)
         first = max(request.num_cached_tokens, 0) // self.block_size
         last = request.num_prompt_tokens // self.block_size
         if last - first < self.args.min_blocks:
@@ -150,16 +157,20 @@ class KVPublisher:
             found, arr = await self.async_engine.call(lambda e, part=part: _export_numpy(e, part))
             if not found:
                 return
-            ref = await asyncio.to_thread(self.put, arr)
-            block_nbytes = arr.nbytes // len(found)
-            added = await self.call_directory(
-                lambda d, found=found, ref=ref, n=block_nbytes: d.publish.remote(
-                    self.replica_id, found, [ref], n, self.layout, self.node_id
-                )
-            )
-            self.published.inc(added)
+            await self._store(found, arr)
             if len(found) < len(part):
                 return  # evicted here meanwhile: the rest of the run cannot follow
+
+    async def _store(self, found: list[BlockHash], arr: np.ndarray) -> None:
+        """Put the exported run in the object store and register it in the directory."""
+        ref = await asyncio.to_thread(self.put, arr)
+        block_nbytes = arr.nbytes // len(found)
+        added = await self.call_directory(
+            lambda d: d.publish.remote(
+                self.replica_id, found, [ref], block_nbytes, self.layout, self.node_id
+            )
+        )
+        self.published.inc(added)
 
     # -- handoff ---------------------------------------------------------------------------------
     def expect_handoff(self, request_id: str) -> None:
@@ -174,49 +185,62 @@ class KVPublisher:
 
     def on_prefill_chunk(self, request: Request) -> None:
         """Engine thread: a chunk of the request's prefill was computed (not the last one)."""
+        self._export_computed(request, request.num_computed_tokens)
+
+    def _export_computed(self, request: Request, num_tokens: int) -> None:
+        """Engine thread: export a handed-off request's full blocks within its first
+        ``num_tokens`` tokens not exported yet, and queue them for storing."""
         handoff = self._handoffs.get(request.request_id)
         if handoff is None:
             return
-        full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
-        if full > 0:
-            hashes = request.block_hashes[:full]
-            handoff.loop.call_soon_threadsafe(self._advance, handoff, hashes)
+        if handoff.exported is None:
+            # Its prefix hits are normally published already (hand_off checks).
+            handoff.exported = max(request.num_cached_tokens, 0) // self.block_size
+        full = min(num_tokens // self.block_size, len(request.block_hashes))
+        while handoff.exported < full:
+            end = min(full, handoff.exported + self.args.max_blocks_per_object)
+            part = request.block_hashes[handoff.exported : end]
+            found, arr = _export_numpy(self.engine, part)
+            if not found:
+                return  # evicted meanwhile: hand_off publishes what it can
+            handoff.exported += len(found)
+            handoff.loop.call_soon_threadsafe(self._queue_run, handoff, (found, arr))
+            if len(found) < len(part):
+                return
 
-    def _advance(self, handoff: _Handoff, hashes: list[BlockHash]) -> None:
-        if len(hashes) <= len(handoff.target):
-            return
-        handoff.target = hashes
+    def _queue_run(self, handoff: _Handoff, run: Run) -> None:
+        handoff.runs.append(run)
         if handoff.task is None or handoff.task.done():
             # Outside any request's context: cancelling the request must not cancel a directory
             # call under way (deployments.replica_report.detached says why).
             handoff.task = handoff.loop.create_task(
-                self._follow(handoff), context=contextvars.Context()
+                self._store_runs(handoff), context=contextvars.Context()
             )
 
-    async def _follow(self, handoff: _Handoff) -> None:
-        """Publish the request's computed blocks until caught up with its prefill."""
-        while handoff.published < len(handoff.target):
-            hashes = handoff.target
+    async def _store_runs(self, handoff: _Handoff) -> None:
+        while handoff.runs:
+            found, arr = handoff.runs.popleft()
             try:
-                await self.publish(hashes, min_new=1)
+                await self._store(found, arr)
             except Exception:  # noqa: BLE001 - hand_off publishes what is still missing
                 logger.warning("KV handoff chunk publish failed", exc_info=True)
+                handoff.runs.clear()
                 return
-            handoff.published = len(hashes)
 
     async def hand_off(
         self, hashes: list[BlockHash], request_id: str | None = None
     ) -> tuple[int, int]:
         """Publish the prompt blocks ``hashes`` (cached here) that the directory lacks, now
-        rather than from the background loop, after the publishes of request ``request_id``'s
-        earlier chunks; return how many leading blocks of them the directory holds afterwards,
+        rather than from the background loop, once request ``request_id``'s exported runs are
+        stored; return how many leading blocks of them the directory holds afterwards,
         with their bytes. Best effort: a failure or timeout hands off fewer blocks, which the
         decode replica recomputes."""
         handoff = None if request_id is None else self._handoffs.pop(request_id, None)
 
         async def publish() -> int:
-            if handoff is not None and handoff.task is not None:
+            while handoff is not None and handoff.task is not None and not handoff.task.done():
                 await asyncio.shield(handoff.task)
+            # Normally nothing is missing by now: this costs one directory call.
             await self.publish(hashes, min_new=1)
             return await self.call_directory(lambda d: d.contains.remote(hashes))
 

@@ -73,7 +73,7 @@ class Chunks(KVConnector):
         pass
 
     def on_prompt_computed(self, request: Request) -> None:
-        pass
+        self.publisher.on_prompt_computed(request)
 
     def on_prefill_chunk(self, request: Request) -> None:
         self.publisher.on_prefill_chunk(request)
@@ -134,8 +134,8 @@ def test_blocks_of_earlier_chunks_are_published_before_the_last_chunk_runs(
         (delta,) = engine.step()  # the last chunk, and the first token
         assert delta.finished
         held, nbytes = await publisher.hand_off(hashes, "h")
-        # The handoff published only what the last chunk computed.
-        assert directory.publishes[3:] == [hashes[6:]]
+        # Then only what the last chunk computed was left to publish.
+        assert directory.publishes == [hashes[:2], hashes[2:4], hashes[4:6], hashes[6:]]
         assert (held, nbytes) == (7, 7 * publisher.block_nbytes)
         _, kv = engine.export_prefix(hashes)
         assert np.array_equal(np.stack([directory.blocks[h] for h in hashes]), to_numpy(kv))
