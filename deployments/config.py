@@ -109,6 +109,11 @@ class DisaggregationArgs(_Strict):
     # Replicas of the Prefill deployment (a ``Prefill`` entry under ``deployments`` in
     # serve_config.yaml overrides it, as it may any Serve option).
     prefill_replicas: int = Field(1, ge=1)
+    # Inter-token SLO (milliseconds per output token) for choosing a handed-off prompt's decode
+    # replica: replicas predicted to keep it with one more stream are preferred, among those
+    # the router ranks by where the KV is and load; when none keeps it the best one still
+    # decodes it (counted in prefixserve_tbt_slo_misses_total). None: ranked as any request.
+    tbt_slo_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
 
 
 class LimitsArgs(_Strict):

@@ -43,6 +43,7 @@ from deployments.failover import (
     resume_request,
 )
 from deployments.http_errors import HTTPError
+from router.slo import VERDICTS
 
 logger = logging.getLogger("ray.serve")
 
@@ -163,6 +164,13 @@ class HandoffMetrics:
             registry=registry,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
         ).labels(**labels)
+        self.tbt_slo_misses = Counter(
+            "prefixserve_tbt_slo_misses",
+            "Handed-off prompts decoded on a replica predicted to exceed the inter-token SLO "
+            "(disaggregation.tbt_slo_ms) with them: no decode replica was predicted to keep it.",
+            ["ingress"],
+            registry=registry,
+        ).labels(**labels)
         self.first_token_seconds = Histogram(
             "prefixserve_handoff_first_token_seconds",
             "Seconds from the prefill replica's last item to the first decoded token's item.",
@@ -175,15 +183,22 @@ class HandoffMetrics:
     def outcome(self, outcome: str) -> None:
         self.outcomes.labels(outcome=outcome, **self._labels).inc()
 
-    def handed_off(self, item: StreamItem) -> Callable[[], None]:
+    def handed_off(self, item: StreamItem, decode_id: str) -> Callable[[], None]:
         """Count the handoff reported by the prefill's last ``item``; returns the callback that
-        observes the wait for the first decoded token."""
+        observes the wait for the first decoded token and, then, whether the decode side's
+        request ``decode_id`` was routed within its inter-token SLO (``router.slo``)."""
         self.outcome(HANDED_OFF)
         self.blocks.inc(item.handoff_blocks)
         self.bytes.inc(item.handoff_bytes)
         self.publish_seconds.observe(item.handoff_s)
         started = time.perf_counter()
-        return lambda: self.first_token_seconds.observe(time.perf_counter() - started)
+
+        def on_first() -> None:
+            self.first_token_seconds.observe(time.perf_counter() - started)
+            if VERDICTS.take(decode_id) is False:
+                self.tbt_slo_misses.inc()
+
+        return on_first
 
 
 class PrefillFirst:
@@ -197,12 +212,15 @@ class PrefillFirst:
         metrics: HandoffMetrics,
         block_size: int,
         min_blocks: int,
+        tbt_slo_ms: float | None = None,
     ) -> None:
+        """``tbt_slo_ms``: the inter-token SLO the decode side's requests carry (None: none)."""
         self.prefill = prefill
         self.decode = decode
         self.metrics = metrics
         self.block_size = block_size
         self.min_blocks = min_blocks
+        self.tbt_slo_ms = tbt_slo_ms
         # Prefill streams read to their end after the handoff (held: the loop keeps weak refs).
         self._draining: set[asyncio.Task[None]] = set()
 
@@ -235,10 +253,11 @@ class PrefillFirst:
         if handoff.decode is None:
             self.metrics.outcome(ENDED_AT_PREFILL)
             return handoff.first
-        on_first = self.metrics.handed_off(item)
+        decode_req = dataclasses.replace(handoff.decode, tbt_slo_ms=self.tbt_slo_ms)
+        on_first = self.metrics.handed_off(item, decode_req.request_id)
         drain = asyncio.get_running_loop().create_task(read_to_end(lease.streams[i]))
         self._draining.add(drain)
         drain.add_done_callback(self._draining.discard)
-        decode = self.decode.open(handoff.decode, i, len(lease.streams), key=f"{i}-decode")
+        decode = self.decode.open(decode_req, i, len(lease.streams), key=f"{i}-decode")
         lease.streams[i] = DecodeStream(handoff.seam, decode, on_first)
         return handoff.first

@@ -221,6 +221,9 @@ class EngineReplica:
         timings = RequestTimings(req, self.metrics, self.args.enable_log_requests)
         timeout_s = req.timeout_s or self.args.limits.request_timeout_s
         fetched = None
+        if req.handoff and self.kv_sharing is not None:
+            # Its blocks are published as its prefill chunks compute them.
+            self.kv_sharing.publisher.expect_handoff(req.request_id)
         # Imported KV, like cached KV, has no logits: prompt logprobs compute the whole prompt.
         if self.kv_sharing is not None and params.prompt_logprobs is None:
             fetched = await self.kv_sharing.prefetch(
@@ -276,7 +279,10 @@ class EngineReplica:
                     full = len(req.prompt_token_ids) // self.engine.block_size
                     hashes = self._block_hashes(req)[:full]
                     started = time.perf_counter()
-                    item.handoff_blocks, item.handoff_bytes = await self.kv_sharing.hand_off(hashes)
+                    (
+                        item.handoff_blocks,
+                        item.handoff_bytes,
+                    ) = await self.kv_sharing.publisher.hand_off(hashes, req.request_id)
                     item.handoff_s = time.perf_counter() - started
                 yield item
         except TimeoutError:
@@ -295,6 +301,8 @@ class EngineReplica:
         finally:
             await merged.aclose()
             timings.record(trace)
+            if req.handoff and self.kv_sharing is not None:
+                self.kv_sharing.publisher.forget_handoff(req.request_id)
 
     def _block_hashes(self, req: EngineRequest) -> list[BlockHash]:
         """The prompt's block hashes under this engine's namespace: the HTTP side's when it

@@ -60,6 +60,9 @@ class EngineRequest:
     # prompt's full blocks to the KV directory, and knows the directory holds them, before it
     # sends its last item, which reports them (``StreamItem.handoff_blocks``).
     handoff: bool = False
+    # On the decode side's request of a handed-off prompt: the inter-token SLO its decode
+    # replica is chosen by (router.slo); None: chosen as any request.
+    tbt_slo_ms: float | None = None
 
 
 @dataclass

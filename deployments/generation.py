@@ -82,6 +82,7 @@ class Generation:
                 HandoffMetrics(admission.metrics.registry, admission.metrics.ingress_id),
                 self.block_size,
                 args.kv_sharing.min_blocks,
+                args.disaggregation.tbt_slo_ms,
             )
         )
         self.hash_key = hash_key(args.kv_hash_key)

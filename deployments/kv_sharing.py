@@ -1,10 +1,8 @@
 """A replica's side of KV sharing through Ray's object store: the engine's KV connector.
 
-Publishing: when a request's prompt is computed, the hashes of its full prompt blocks are queued
-(``on_prompt_computed``, engine thread). A background task exports the blocks the directory lacks
-between engine steps, at most ``max_blocks_per_object`` per object, turns each run into a numpy
-array (zero-copy reads for every importer), puts it in the object store from a worker thread and
-registers it in the directory with its layout. The engine step never waits on it.
+Publishing (``deployments.kv_publish``): a request's computed prompt blocks are put in the
+object store and registered in the directory from a background task, off the engine step; a
+handed-off prompt's as its prefill chunks compute them, the rest before its first token goes out.
 
 Importing: before a request is handed to the engine, ``prefetch`` looks up the blocks after the
 local prefix hit in the directory and fetches them, off the engine thread. Fetches are
@@ -27,12 +25,9 @@ fills as replicas publish.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import contextvars
 import logging
-import math
-import threading
 import time
 import warnings
 from collections.abc import Awaitable, Callable
@@ -47,10 +42,10 @@ from ray import serve
 from deployments.config import KVSharingArgs
 from deployments.import_cost import ImportCost
 from deployments.kv_directory import BlockLayout, Located
+from deployments.kv_publish import NUMPY_VIEW, KVPublisher, layout_of, to_numpy
 from engine.async_engine import AsyncEngine
 from engine.block_hash import BlockHash
 from engine.kv_connector import KVBlocks, KVConnector
-from engine.llm_engine import LLMEngine
 from engine.request import Request
 
 logger = logging.getLogger("ray.serve")
@@ -59,17 +54,8 @@ logger = logging.getLogger("ray.serve")
 # are added to the engine (and install its blocks) within about a step of it ending.
 FETCH_KEEP_S = 2.0
 
-_NUMPY_VIEW = {
-    torch.bfloat16: torch.int16,
-    torch.float16: torch.float16,
-    torch.float32: torch.float32,
-}
-_TORCH_DTYPES = {str(t).removeprefix("torch."): t for t in _NUMPY_VIEW}
-
-
-def to_numpy(kv: torch.Tensor) -> np.ndarray:
-    """numpy has no bfloat16: ship its bits as int16."""
-    return kv.contiguous().view(_NUMPY_VIEW[kv.dtype]).numpy()
+_TORCH_DTYPES = {str(t).removeprefix("torch."): t for t in NUMPY_VIEW}
+__all__ = ["HeldDirectory", "KVSharing", "from_numpy", "layout_of", "to_numpy"]
 
 
 def from_numpy(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -79,15 +65,6 @@ def from_numpy(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         warnings.simplefilter("ignore", UserWarning)
         t = torch.from_numpy(np.ascontiguousarray(arr))
     return t.view(dtype) if dtype == torch.bfloat16 else t
-
-
-def layout_of(engine: LLMEngine) -> BlockLayout:
-    return BlockLayout(str(engine.dtype).removeprefix("torch."), engine.kv_block_shape)
-
-
-def _export_numpy(engine: LLMEngine, hashes: list[BlockHash]) -> tuple[list[BlockHash], np.ndarray]:
-    found, kv = engine.export_prefix(hashes)
-    return found, to_numpy(kv)
 
 
 class HeldDirectory:
@@ -141,10 +118,6 @@ class KVSharing(KVConnector):
         self.directory = directory
         self.block_size = self.engine.block_size
         self.layout = layout_of(self.engine)
-        self.block_nbytes = math.prod(self.layout.block_shape) * self.engine.dtype.itemsize
-        self._pending: collections.deque[list[int]] = collections.deque(maxlen=1024)
-        self._pending_lock = threading.Lock()
-        self._task: asyncio.Task | None = None
         # Fetches in flight or recently done, by the first block they import.
         self._fetches: dict[BlockHash, asyncio.Task[Fetched | None]] = {}
         self.fetch_bytes = 0
@@ -154,8 +127,11 @@ class KVSharing(KVConnector):
         def counter(name: str, doc: str) -> Any:
             return metrics.counter(name, doc).labels(replica=replica_id)
 
-        self.published = counter(
+        published = counter(
             "prefixserve_kv_blocks_published", "KV blocks published to the object store."
+        )
+        self.publisher = KVPublisher(
+            replica_id, async_engine, args, self.call_directory, published, node_id
         )
         self.imported = counter(
             "prefixserve_kv_blocks_imported", "KV blocks imported from other replicas."
@@ -189,76 +165,15 @@ class KVSharing(KVConnector):
     async def heartbeat(self) -> None:
         await self.call_directory(lambda d: d.heartbeat.remote(self.replica_id))
 
-    # -- publishing ------------------------------------------------------------------------------
+    # -- publishing (deployments.kv_publish) -------------------------------------------------------
     def on_prompt_computed(self, request: Request) -> None:
-        """Engine thread: queue the prompt blocks this replica computed itself."""
-        first = max(request.num_cached_tokens, 0) // self.block_size
-        last = request.num_prompt_tokens // self.block_size
-        if last - first < self.args.min_blocks:
-            return
-        # The leading hit blocks are kept too: an importer needs the run from block 0, and the
-        # directory skips hashes it already has.
-        with self._pending_lock:
-            self._pending.append(request.block_hashes[:last])
+        self.publisher.on_prompt_computed(request)
+
+    def on_prefill_chunk(self, request: Request) -> None:
+        self.publisher.on_prefill_chunk(request)
 
     def start(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._publish_loop())
-
-    async def _publish_loop(self) -> None:
-        while True:
-            with self._pending_lock:
-                batch = list(self._pending)
-                self._pending.clear()
-            for hashes in batch:
-                try:
-                    await self._publish(hashes)
-                except Exception:  # noqa: BLE001 - publishing is best effort
-                    logger.warning("KV publish failed", exc_info=True)
-            await asyncio.sleep(0.05)
-
-    async def _publish(self, hashes: list[BlockHash], min_new: int | None = None) -> None:
-        """Publish the run ``hashes`` from where the directory's leading run ends, if at least
-        ``min_new`` (default ``min_blocks``) blocks are missing."""
-        known = await self.call_directory(lambda d: d.contains.remote(hashes))
-        todo = hashes[known:]
-        if not todo or len(todo) < (self.args.min_blocks if min_new is None else min_new):
-            return
-        step = self.args.max_blocks_per_object
-        for i in range(0, len(todo), step):
-            part = todo[i : i + step]
-            # Tensor work stays on the engine thread (engine.async_engine: OpenMP teams).
-            found, arr = await self.async_engine.call(lambda e, part=part: _export_numpy(e, part))
-            if not found:
-                return
-            ref = await asyncio.to_thread(ray.put, arr)
-            block_nbytes = arr.nbytes // len(found)
-            added = await self.call_directory(
-                lambda d, found=found, ref=ref, n=block_nbytes: d.publish.remote(
-                    self.replica_id, found, [ref], n, self.layout, self.node_id
-                )
-            )
-            self.published.inc(added)
-            if len(found) < len(part):
-                return  # evicted here meanwhile: the rest of the run cannot follow
-
-    async def hand_off(self, hashes: list[BlockHash]) -> tuple[int, int]:
-        """Publish the prompt blocks ``hashes`` (cached here) that the directory lacks, now
-        rather than from the background loop, and return how many leading blocks of them it
-        holds afterwards, with their bytes. A prefill replica calls it before its last item
-        goes out, so the decode replica's lookup cannot race the publish. Best effort: a failure
-        or timeout hands off fewer blocks, which the decode replica recomputes."""
-
-        async def publish() -> int:
-            await self._publish(hashes, min_new=1)
-            return await self.call_directory(lambda d: d.contains.remote(hashes))
-
-        try:
-            held = await asyncio.wait_for(publish(), self.args.fetch_timeout_s)
-        except Exception:  # noqa: BLE001 - the decode side recomputes what is missing
-            logger.warning("KV handoff publish failed", exc_info=True)
-            return 0, 0
-        return held, held * self.block_nbytes
+        self.publisher.start()
 
     # -- importing -------------------------------------------------------------------------------
     async def prefetch(self, prompt_len: int, hashes: list[BlockHash]) -> Fetched | None:

@@ -23,7 +23,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from deployments import tracing
-from router import RouterConfig, RoutingPolicy, make_policy
+from router import RouterConfig, RoutingPolicy, make_policy, slo
 
 logger = logging.getLogger("ray.serve")
 
@@ -150,6 +150,11 @@ class PolicyRequestRouter(RequestRouter):
         hashes = request_block_hashes(pending_request)
         session = request_session(pending_request)
         ranks = self._policy.rank(list(by_key), hashes, now, directory, session=session)
+        request = pending_request.args[0] if pending_request and pending_request.args else None
+        if (slo_ms := _field(request, "tbt_slo_ms")) is not None:  # a handed-off request
+            ranks, met = slo.prefer_within_slo(ranks, self._policy.state.views, slo_ms)
+            # Through the module: pickled by value, this one would carry a copy of the object.
+            slo.VERDICTS.record(str(_field(request, "request_id")), met)
         ranked = [[by_key[key] for key in rank] for rank in ranks if rank]
         # Replicas believed full go last: Serve would probe each one before moving on.
         full = [all(self._believed_full(r) for r in rank) for rank in ranked]

@@ -41,4 +41,6 @@ def routing_snapshot(
         "transfer_cost_ratio": same,
         "cross_node_transfer_cost_ratio": cross,
         "node_id": node_id,
+        # Stale once nothing runs: a new stream would be the only one.
+        "decode_step_s": engine.stats.decode_step_s if engine.scheduler.num_running else None,
     }

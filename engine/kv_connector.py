@@ -14,6 +14,9 @@ the model runner:
 * ``on_prompt_computed``: the request's whole prompt is computed and its full blocks are in the
   prefix cache under ``request.block_hashes``; the connector may export them later through
   ``LLMEngine.export_prefix`` (on the engine thread).
+* ``on_prefill_chunk``: a step computed a chunk of the request's prompt that is not its last
+  (chunked prefill); the blocks its computed tokens fill are in the prefix cache, and the
+  connector may export them as above while later chunks compute.
 
 Every method runs on the engine thread, between steps.
 """
@@ -47,6 +50,11 @@ class KVConnector(ABC):
     def loaded(self, request: Request, num_installed: int, rejected: str | None) -> None:
         """The outcome of the last ``load`` for ``request``: blocks installed, or the reason the
         data was refused (``rejected``), in which case the request recomputes them."""
+
+    def on_prefill_chunk(self, request: Request) -> None:
+        """A chunk of the request's prompt, not the last, is computed: its first
+        ``request.num_computed_tokens // block_size`` blocks are cached here. Optional."""
+        return None
 
     @abstractmethod
     def on_prompt_computed(self, request: Request) -> None:

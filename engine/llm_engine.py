@@ -71,11 +71,19 @@ class EngineStats:
     num_blocks: int = 0
     # Seconds per prompt token of recent prefill-heavy steps (a moving average; None: none yet).
     prefill_s_per_token: float | None = None
+    # Seconds between the starts of consecutive steps that both carry decode rows: the time per
+    # output token a running stream gets now (a moving average; None: none yet).
+    decode_step_s: float | None = None
 
     def observe_prefill(self, seconds: float, tokens: int) -> None:
-        sample = seconds / tokens
-        prev = self.prefill_s_per_token
-        self.prefill_s_per_token = sample if prev is None else prev + EWMA_WEIGHT * (sample - prev)
+        self.prefill_s_per_token = _ewma(self.prefill_s_per_token, seconds / tokens)
+
+    def observe_decode_step(self, seconds: float) -> None:
+        self.decode_step_s = _ewma(self.decode_step_s, seconds)
+
+
+def _ewma(prev: float | None, sample: float) -> float:
+    return sample if prev is None else prev + EWMA_WEIGHT * (sample - prev)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -197,6 +205,9 @@ class LLMEngine:
         self.stats = EngineStats(num_blocks=num_blocks)
         # An external KV store (engine.kv_connector); set before the engine thread starts.
         self.kv_connector: KVConnector | None = None
+        # The latest step's decoding sequences and when its forward began (observe_prefill).
+        self._decoding: set[str] = set()
+        self._decoding_at = 0.0
         self._pipeline = StepPipeline(self) if config.async_scheduling else None
         self._update_gauges()
         logger.info(
@@ -400,6 +411,7 @@ class LLMEngine:
         step = self.runner.execute(self.scheduled_seqs(out))
         self.observe_prefill(out, started)
         self.scheduler.update_from_output(out)
+        self.report_prefill_chunks(out)
         return rejected + self.finish_step(step)
 
     def scheduled_seqs(self, out: SchedulerOutput) -> list[ScheduledSeq]:
@@ -422,10 +434,27 @@ class LLMEngine:
         return rejected
 
     def observe_prefill(self, out: SchedulerOutput, started: float) -> None:
+        """Time the step whose forward began at ``started``: the prefill speed, and the
+        interval since the previous step's start when a sequence decodes in both (one token
+        of its stream: an idle engine between them is never counted)."""
         prefill_tokens = sum(n for _, n in out.scheduled if n > 1)
         if prefill_tokens >= PREFILL_SAMPLE_MIN_TOKENS:
             # Decodes sharing the step are few rows next to a chunk of this size.
             self.stats.observe_prefill(time.perf_counter() - started, prefill_tokens)
+        decoding = {r.request_id for r, n in out.scheduled if n == 1}
+        if not decoding.isdisjoint(self._decoding):
+            self.stats.observe_decode_step(started - self._decoding_at)
+        self._decoding, self._decoding_at = decoding, started
+
+    def report_prefill_chunks(self, out: SchedulerOutput) -> None:
+        """Once the step ran and its progress is counted: tell the KV connector about each
+        prompt the step computed a chunk of without finishing it (``finish_step`` reports the
+        finished ones, at their first token)."""
+        if self.kv_connector is None:
+            return
+        for request, _ in out.scheduled:
+            if request.num_computed_tokens < request.num_tokens:
+                self.kv_connector.on_prefill_chunk(request)
 
     def finish_step(self, step: StepOutput) -> list[RequestDelta]:
         """Append the step's sampled tokens, stop what must stop, and build its deltas (the

@@ -67,6 +67,8 @@ class StepHost(Protocol):
 
     def observe_prefill(self, out: SchedulerOutput, started: float) -> None: ...
 
+    def report_prefill_chunks(self, out: SchedulerOutput) -> None: ...
+
     def finish_step(self, step: StepOutput) -> list[RequestDelta]: ...
 
 
@@ -116,6 +118,8 @@ class StepPipeline:
             self._next = future.result()
             for request in sampling:
                 request.num_inflight_tokens = 0
+        # Once the planner is done with the requests: their progress is settled.
+        engine.report_prefill_chunks(out)
         return rejected + engine.finish_step(result)
 
     def _plan(self) -> StepPlan | None:

@@ -13,6 +13,8 @@ Contract (a plain dict, so that it crosses process and pickling boundaries uncha
      "cross_node_transfer_cost_ratio": float,  # optional: the same for blocks published on
                                          # another node (their bytes cross object stores)
      "node_id": str,                     # optional: the Ray node the replica runs on
+     "decode_step_s": float,             # optional: recent seconds between consecutive steps
+                                         # that carry decode rows (None while nothing decodes)
      "recent_sessions": list[[str, int]]}  # optional: sessions served lately and each one's
                                          # latest prompt length in blocks, oldest first
 """
@@ -46,6 +48,7 @@ class ReplicaReport:
     transfer_cost_ratio: float | None = None
     cross_node_transfer_cost_ratio: float | None = None
     node_id: str | None = None
+    decode_step_s: float | None = None
 
     @property
     def load(self) -> int:
@@ -78,6 +81,7 @@ class ReplicaReport:
             )
         ratio = _optional_ratio(stats, "transfer_cost_ratio")
         cross_ratio = _optional_ratio(stats, "cross_node_transfer_cost_ratio")
+        decode_step_s = _optional_ratio(stats, "decode_step_s")
         node_id = stats.get("node_id")
         if node_id is not None and (not isinstance(node_id, str) or not node_id):
             raise ValueError(f"routing stats: node_id must be a non-empty string, got {node_id!r}")
@@ -98,6 +102,7 @@ class ReplicaReport:
             transfer_cost_ratio=ratio,
             cross_node_transfer_cost_ratio=cross_ratio,
             node_id=node_id,
+            decode_step_s=decode_step_s,
         )
 
 

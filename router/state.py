@@ -61,6 +61,7 @@ class ReplicaView:
         "transfer_cost_ratio",
         "cross_node_transfer_cost_ratio",
         "node_id",
+        "decode_step_s",
     )
 
     def __init__(self, replica_id: str) -> None:
@@ -86,6 +87,8 @@ class ReplicaView:
         # The same for blocks published on another node, and this replica's node (None: unknown).
         self.cross_node_transfer_cost_ratio: float | None = None
         self.node_id: str | None = None
+        # Recent seconds per decode step, with ``num_running`` sequences (None: nothing decodes).
+        self.decode_step_s: float | None = None
         self.unreported_prefill = 0
 
     @property
@@ -237,6 +240,7 @@ class ClusterState:
         view.transfer_cost_ratio = report.transfer_cost_ratio
         view.cross_node_transfer_cost_ratio = report.cross_node_transfer_cost_ratio
         view.node_id = report.node_id
+        view.decode_step_s = report.decode_step_s
         view.report_at = report.reported_at
         view.set_prefill(-(-report.num_pending_prefill_tokens // max(1, report.block_size)))
         view.drop_stale_decisions(now, self.decision_ttl_s, report.reported_at)

@@ -40,7 +40,8 @@ def _args(model: Path) -> dict:
             "max_num_batched_tokens": 128,
         },
         "kv_sharing": {"enabled": True, "min_blocks": 4},
-        "disaggregation": {"enabled": True},
+        # An SLO every replica keeps: decode replicas are ranked through it, never missing it.
+        "disaggregation": {"enabled": True, "tbt_slo_ms": 60000},
         "stream_interval_ms": 0,
     }
 
@@ -127,6 +128,8 @@ def test_disaggregated_greedy_text_handoff_and_no_leaks(
         # blocks from the object store (remote hits) rather than recomputing them.
         m = metrics(serve_instance)
         assert total(m, "prefixserve_handoffs_total", outcome="handed_off") == 5
+        assert any(name == "prefixserve_tbt_slo_misses_total" for name, _ in m)
+        assert total(m, "prefixserve_tbt_slo_misses_total") == 0
         assert total(m, "prefixserve_handoff_blocks_total") >= sum(len(p) // 16 for p in prompts)
         (decode,) = _by_role(m, "decode")
         (prefill,) = _by_role(m, "prefill")

@@ -22,14 +22,17 @@ from deployments.engine_request import EngineRequest
 from deployments.generation import Generation
 from deployments.openai_format import ResponseBuilder
 from engine.sampling_params import SamplingParams
+from router.slo import VERDICTS
 from tests.deployments.test_error_mapping import FakeBackend, FakeStream, engine_error
 from tests.deployments.test_failover import TEXTS, engine_items, reference, sse_events
 
 PROMPT = list(range(1000, 1080))  # 5 full blocks of 16
 
 
-def _generation(decode: FakeBackend, prefill: FakeBackend) -> Generation:
-    args = AppArgs.model_validate({"layout": "routed", "disaggregation": {"enabled": True}})
+def _generation(decode: FakeBackend, prefill: FakeBackend, **disaggregation: Any) -> Generation:
+    args = AppArgs.model_validate(
+        {"layout": "routed", "disaggregation": {"enabled": True, **disaggregation}}
+    )
     return Generation(args, decode, Admission("test", 100), prefill)
 
 
@@ -185,6 +188,40 @@ def test_a_handoff_no_decode_replica_has_room_for_ends_with_a_429_event(
     assert gen.admission.inflight == 0
 
 
+class SloRoutedBackend(FakeBackend):
+    """Records each request's SLO and a verdict on it, as the decode side's router does."""
+
+    def __init__(self, *streams: FakeStream, met: bool) -> None:
+        super().__init__(*streams)
+        self.met = met
+        self.slos: list[float | None] = []
+
+    def open(self, req: EngineRequest, *args: Any, **kwargs: Any) -> FakeStream:
+        self.slos.append(req.tbt_slo_ms)
+        if req.tbt_slo_ms is not None:
+            VERDICTS.record(req.request_id, self.met)
+        return super().open(req, *args, **kwargs)
+
+
+@pytest.mark.parametrize("met", [True, False])
+def test_the_decode_side_is_routed_by_the_slo_and_misses_are_counted(
+    smollm2_tokenizer: Any, met: bool
+) -> None:
+    tok = smollm2_tokenizer
+    out = tok.encode(TEXTS[0])
+    params = SamplingParams(max_tokens=len(out), temperature=0)
+    decode = SloRoutedBackend(
+        FakeStream(*engine_items(tok, PROMPT + out[:1], out[1:], params)), met=met
+    )
+    prefill = SloRoutedBackend(_prefill_stream(tok, out, params), met=met)
+    gen = _generation(decode, prefill, tbt_slo_ms=50)
+    _respond(gen, EngineRequest("cmpl-1", PROMPT, params), tok)
+    assert (prefill.slos, decode.slos) == ([None], [50.0])
+    assert gen.prefill_first is not None
+    assert gen.prefill_first.metrics.tbt_slo_misses._value.get() == (0 if met else 1)
+    assert VERDICTS.take("cmpl-1-decode") is None  # taken when the first decoded item came
+
+
 def test_which_prompts_are_handed_off() -> None:
     greedy = SamplingParams(max_tokens=8, temperature=0)
     assert eligible(EngineRequest("a", PROMPT, greedy), 16, 4)
@@ -205,6 +242,8 @@ def test_disaggregation_needs_the_routed_layout_and_kv_sharing() -> None:
         AppArgs.model_validate(
             {"disaggregation": {"enabled": True}, "kv_sharing": {"enabled": False}}
         )
+    with pytest.raises(ValidationError, match="tbt_slo_ms"):
+        AppArgs.model_validate({"disaggregation": {"enabled": True, "tbt_slo_ms": 0}})
     with pytest.raises(ValidationError, match="prefill_replicas"):
         AppArgs.model_validate({"disaggregation": {"enabled": True, "prefill_replicas": 0}})
     assert not AppArgs().disaggregation.enabled

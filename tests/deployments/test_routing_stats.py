@@ -43,3 +43,20 @@ def test_kv_sharing_reports_its_measured_cost_ratios(tiny_llama: Path) -> None:
     report = ReplicaReport.from_dict(routing_snapshot(engine, "r1", 0.0, "n", sharing))  # type: ignore[arg-type]
     assert (report.transfer_cost_ratio, report.cross_node_transfer_cost_ratio) == (0.25, 0.75)
     assert report.cached_block_hashes == frozenset()
+
+
+def test_the_decode_step_time_is_reported_while_sequences_run(tiny_llama: Path) -> None:
+    engine = make_engine(tiny_llama, block_size=16)
+    engine.add_request("a", tokens(20, 8), SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(4):  # the prefill, then decodes
+        engine.step()
+    report = ReplicaReport.from_dict(routing_snapshot(engine, "r1", 0.0, "n", None))
+    assert report.decode_step_s == engine.stats.decode_step_s
+    assert report.decode_step_s is not None and report.decode_step_s > 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    # Nothing runs: a new stream would decode alone, whatever the last figure was.
+    assert (
+        ReplicaReport.from_dict(routing_snapshot(engine, "r1", 0.0, "n", None)).decode_step_s
+        is None
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -336,3 +337,26 @@ def test_auto_dtype_follows_the_cpus_bf16_support(monkeypatch, caplog, native_bf
         assert llm_engine.resolve_dtype("bfloat16", cpu) == torch.bfloat16
     noted = any("run in float32" in r.getMessage() for r in caplog.records)
     assert noted is not native_bf16
+
+
+def test_decode_step_time_is_a_streams_inter_step_time(tiny_llama):
+    """``stats.decode_step_s``: the time between the starts of consecutive steps a sequence
+    decodes in; a step that follows an idle engine is no sample, whatever its rows."""
+    engine = make_engine(tiny_llama)
+    engine.add_request("a", tokens(40, 0), SamplingParams(max_tokens=4, temperature=0.0))
+    engine.step()  # the prefill: no decode row
+    engine.step()  # a's first decode: no earlier step decoded it
+    assert engine.stats.decode_step_s is None
+    started = time.perf_counter()
+    engine.step()
+    engine.step()
+    elapsed = time.perf_counter() - started
+    assert engine.stats.decode_step_s is not None
+    assert 0 < engine.stats.decode_step_s < elapsed
+    run_to_completion(engine)
+    measured = engine.stats.decode_step_s
+    time.sleep(0.3)
+    # A one-token prompt's only step is a one-row step too, after the engine sat idle.
+    engine.add_request("b", tokens(1, 1), SamplingParams(max_tokens=1, temperature=0.0))
+    run_to_completion(engine)
+    assert engine.stats.decode_step_s == measured

@@ -26,6 +26,7 @@ from deployments.request_router import (
     request_session,
 )
 from deployments.request_router_config import request_router_config
+from router.slo import VERDICTS
 from tests.router.support import report
 
 DEPLOYMENT = DeploymentID(name="Engine", app_name="prefixserve")
@@ -54,6 +55,8 @@ class EngineRequest:
     prompt_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     session_id: str | None = None
+    request_id: str = "req"
+    tbt_slo_ms: float | None = None
 
 
 def pending(arg: Any, request_id: str = "r1", session_id: str = "") -> PendingRequest:
@@ -193,6 +196,29 @@ def test_prefix_affinity_and_decision_hooks() -> None:
         router.on_request_completed(b.replica_id, "r2")
         assert view_b.num_in_flight == 0
         router.on_request_completed(b.replica_id, "never-routed")  # rejected: ignored
+
+    run(body)
+
+
+def test_a_handed_off_request_goes_where_its_inter_token_slo_is_kept() -> None:
+    async def body() -> None:
+        router = make_router(imbalance_abs=100)
+        now = time.time()
+        # a holds the prompt's KV but decodes 8 streams at 40 ms a step; b decodes one at 20.
+        a = FakeReplica("a", {**report("a", H, at=now, running=8), "decode_step_s": 0.040})
+        b = FakeReplica("b", {**report("b", [], at=now, running=1), "decode_step_s": 0.020})
+        router.update_replicas([a, b])
+        await settle()
+        plain = EngineRequest(block_hashes=H[:20], request_id="p")
+        assert ids(await router.choose_replicas([a, b], pending(plain, "p")))[0] == ["a"]
+        assert VERDICTS.take("p") is None  # no SLO: neither reordered nor counted
+        # Nobody decodes within 5 ms: the best by the policy still gets it, as a miss.
+        missed = EngineRequest(block_hashes=H[:20], request_id="m-decode", tbt_slo_ms=5.0)
+        assert ids(await router.choose_replicas([a, b], pending(missed, "m")))[0] == ["a"]
+        assert VERDICTS.take("m-decode") is False
+        kept = EngineRequest(block_hashes=H[:20], request_id="k-decode", tbt_slo_ms=44.0)
+        assert ids(await router.choose_replicas([a, b], pending(kept, "k")))[0] == ["b"]
+        assert VERDICTS.take("k-decode") is True
 
     run(body)
 
