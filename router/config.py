@@ -49,6 +49,10 @@ class RouterConfig:
     # cluster throughput for every later request too (the queue counts less the request's
     # matched blocks, since the queued work may be the very prefix it would reuse).
     queued_prefill_cost_per_block: float = 0.25
+    # Hysteresis for leaving a holder: the candidate(s) holding the longest match stay first
+    # unless another (not hot) candidate's cost is lower by more than this many block-prefill
+    # units per matched block. 0: the plain cost ranking.
+    holder_margin_per_block: float = 0.0
     # Fewest leading blocks some replica must hold for the request before the prefix cost is used.
     min_match_blocks: int = 1
     # With a shorter best match, first try the replica every router of the deployment picks for
@@ -89,6 +93,7 @@ class RouterConfig:
             "load_cost_per_request",
             "transfer_cost_per_block",
             "queued_prefill_cost_per_block",
+            "holder_margin_per_block",
             "hot_prefix_rate",
             "hot_prefix_cost_per_block",
         ):

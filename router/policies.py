@@ -306,6 +306,8 @@ class PrefixAwarePolicy(RoutingPolicy):
         # session, ties at random.
         keyed = [(t[_HOT], t[_COST], not t[_SESSION], rand(), i) for i, t in enumerate(terms)]
         keyed.sort()
+        if self.config.holder_margin_per_block > 0:
+            keyed = self._keep_holder(terms, keyed)
         unguarded_best = min(keyed, key=lambda k: k[1:4])
         best = terms[keyed[0][4]]
         if unguarded_best is not keyed[0]:
@@ -319,6 +321,24 @@ class PrefixAwarePolicy(RoutingPolicy):
         else:
             self._count("prefix")
         return [[terms[k[4]][0]] for k in keyed]
+
+    def _keep_holder(self, terms: list[tuple], keyed: list[tuple]) -> list[tuple]:
+        """Move the cheapest not-hot holder of the longest match to the front when the first
+        choice beats it by less than ``holder_margin_per_block`` per matched block: leaving a
+        holder recomputes its prefix elsewhere and costs cache space there for later requests,
+        which the per-request cost does not count."""
+        longest = max(t[_MATCHED] for t in terms)
+        first = terms[keyed[0][4]]
+        if longest == 0 or first[_HOT] or first[_MATCHED] == longest:
+            return keyed
+        for pos, k in enumerate(keyed):
+            t = terms[k[4]]
+            if t[_MATCHED] == longest and not t[_HOT]:
+                margin = self.config.holder_margin_per_block * longest
+                if t[_COST] - first[_COST] < margin:
+                    return [k, *keyed[:pos], *keyed[pos + 1 :]]
+                return keyed
+        return keyed
 
     def _cost_terms(
         self,

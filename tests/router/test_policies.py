@@ -77,6 +77,27 @@ def test_spill_over_when_waiting_costs_more_than_recomputing() -> None:
     assert first(policy.rank(["a", "b"], hashes, now=2.0)) == "b"
 
 
+def test_holder_margin_keeps_the_holder_unless_the_alternative_wins_by_enough() -> None:
+    # "a" holds 6 blocks with 2 requests: cost 8 (2 x 4) against 6 (prefill) on "b", so "b" is
+    # cheaper by 2. A margin of 0.5 per matched block (3) keeps "a"; 0.25 (1.5) does not.
+    def choice(margin: float) -> str:
+        policy = prefix_policy(imbalance_abs=1000, holder_margin_per_block=margin, **WEIGHTS)
+        policy.apply_report("a", report("a", H[:6], at=1.0, running=1, waiting=1), now=1.0)
+        policy.apply_report("b", report("b", [], at=1.0), now=1.0)
+        return first(policy.rank(["a", "b"], H[:6], now=1.0))
+
+    assert choice(0.0) == "b"
+    assert choice(0.25) == "b"
+    assert choice(0.5) == "a"
+
+
+def test_holder_margin_never_overrides_the_imbalance_guard() -> None:
+    policy = prefix_policy(imbalance_abs=8, imbalance_rel=2.0, holder_margin_per_block=100.0)
+    policy.apply_report("a", report("a", H, at=1.0, running=9), now=1.0)
+    policy.apply_report("b", report("b", [], at=1.0), now=1.0)
+    assert policy.rank(["a", "b"], H, now=1.0) == [["b"], ["a"]]
+
+
 def test_spill_over_counts_requests_routed_since_the_last_report() -> None:
     policy = prefix_policy(imbalance_abs=1000, **WEIGHTS)
     hashes = H[:10]
