@@ -29,12 +29,13 @@ export RAY_SERVE_ENABLE_HA_PROXY ?= 1
 export RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY ?= 1
 export RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD ?= 0
 # Only for the cluster `make serve` starts on this machine, not the image: longer polling periods
-# of Ray's log monitor, dashboard agent and Serve's metrics export (deployments/ray_env.py's
-# LAPTOP_RAY_ENV, same values).
+# of Ray's log monitor, dashboard agent and Serve's metrics export, and a short drain of a stopping
+# replica behind the one local HAProxy (deployments/ray_env.py's LAPTOP_RAY_ENV, same values).
 export RAY_LOG_MONITOR_MANY_FILES_THRESHOLD ?= 0
 export LOG_NAME_UPDATE_INTERVAL_S ?= 5
 export REPORTER_UPDATE_INTERVAL_MS ?= 30000
 export RAY_SERVE_METRICS_EXPORT_INTERVAL_MS ?= 1000
+export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S ?= 2
 
 .PHONY: venv serve test lint fmt bench docs-check docs-check-all clean
 

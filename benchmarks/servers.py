@@ -260,27 +260,40 @@ def _wait_gone(pids: Any, timeout_s: float) -> bool:
 
 
 def stop(server: ServerProcess, grace_s: float = 60.0, ray_stop_last_resort: bool = False) -> None:
+    """:func:`stop_session` for a server started here."""
+    stop_session(server.proc, server.name, grace_s, ray_stop_last_resort)
+
+
+def stop_session(
+    proc: subprocess.Popen[Any],
+    name: str,
+    grace_s: float = 60.0,
+    ray_stop_last_resort: bool = False,
+    leftover_grace_s: float = 20.0,
+) -> None:
     """SIGINT (Serve and vLLM shut down cleanly on it), then SIGTERM, then SIGKILL to the
-    server's process group; then whatever is left of its session, by pid. ``ray stop --force``
-    (which ends every Ray cluster on the machine, other people's too) only where allowed and
-    Ray processes of the session survived all that."""
-    sid = server.proc.pid
+    process group of ``proc``, the leader of a session of its own; then whatever is left of that
+    session, by pid. Ray's workers put themselves in groups of their own, so a worker's child
+    outlives a group signal: HAProxy's, orphaned when its manager actor dies without stopping it,
+    keeps the app's port. ``ray stop --force`` (which ends every Ray cluster on the machine,
+    other people's too) only where allowed and Ray processes of the session survived all that."""
+    sid = proc.pid
     for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(sid, sig)
         try:
-            server.proc.wait(timeout=wait_s)
+            proc.wait(timeout=wait_s)
             break
         except subprocess.TimeoutExpired:
             continue
     # Ray's node processes shut down after the driver; give them a moment, then kill them.
-    if not _wait_gone(lambda: session_pids(sid), 20.0):
+    if not _wait_gone(lambda: session_pids(sid), leftover_grace_s):
         for pid in session_pids(sid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         if not _wait_gone(lambda: session_pids(sid), 10.0):
             left = session_pids(sid)
-            print(f"  {server.name}: processes {left} survived SIGKILL", flush=True)
+            print(f"  {name}: processes {left} survived SIGKILL", flush=True)
             if ray_stop_last_resort and any("ray" in _cmdline(pid) for pid in left):
                 ray_bin = Path(sys.executable).with_name("ray")
                 print("  last resort: ray stop --force", flush=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -17,7 +16,7 @@ from typing import Any
 import httpx
 import yaml
 
-from benchmarks.servers import server_env
+from benchmarks.servers import server_env, stop_session
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,14 +98,8 @@ def running_service(
         wait_healthy(base_url, replicas, timeout_s, proc)
         yield base_url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        # `serve run` started its own local cluster, which ends with it: no `ray stop`, which
-        # would also kill every other Ray cluster on the machine.
+        # `serve run` started its own local cluster, which ends with it (and any process of its
+        # session left behind): no `ray stop`, which would also end every other Ray cluster here.
+        stop_session(proc, "serve run")
         log.close()
         os.unlink(path)

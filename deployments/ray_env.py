@@ -43,6 +43,12 @@ process in docs/benchmarks.md ("Where an idle laptop stack's CPU goes"):
 * ``RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=1000``: Serve's replicas, proxy and handles hand their
   cached metrics to Ray's metrics pipeline every 0.1 s by default; once a second is still finer
   than any Prometheus scrape. ``/metrics`` is the app's own and is not affected.
+* ``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=2``: with direct ingress a stopping replica
+  stays reachable this long (30 s by default) so that every node's HAProxy stops sending to it
+  before its listener closes; only then do its requests drain. A laptop has one HAProxy, on the
+  same machine, which reloads its backends within a second of the controller's update (its log
+  says so), so Ctrl-C on ``make serve``, a redeploy or a scale-down waited ~30 s for nothing.
+  Requests that still arrive after the listener closes are retried by HAProxy on another replica.
 """
 
 from __future__ import annotations
@@ -61,4 +67,5 @@ LAPTOP_RAY_ENV: dict[str, str] = {
     "LOG_NAME_UPDATE_INTERVAL_S": "5",
     "REPORTER_UPDATE_INTERVAL_MS": "30000",
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
 }

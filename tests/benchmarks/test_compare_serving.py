@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -226,3 +228,26 @@ def test_ratio_orientation() -> None:
     assert ratio("tpot_p50_ms", 50, 100) == 2
     assert ratio("tpot_p50_ms", 0, 100) is None
     assert ratio("output_tok_s", 1, 0) is None
+
+
+def test_stopping_a_server_ends_the_processes_of_its_session_in_other_groups() -> None:
+    """A Ray worker's child (HAProxy's) sits in another process group of the server's session,
+    where a group signal does not reach it; stopping the server must still end it."""
+    leader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            "child = subprocess.Popen(['sleep', '600'], process_group=0)\n"
+            "print(child.pid, flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert leader.stdout is not None
+    child = int(leader.stdout.readline())
+    assert child in servers.session_pids(leader.pid)
+    servers.stop_session(leader, "test", grace_s=5, leftover_grace_s=0.5)
+    assert leader.returncode is not None
+    assert servers.session_pids(leader.pid) == []

@@ -11,11 +11,12 @@ from typing import Any
 import httpx
 import pytest
 
-from deployments.ray_env import SERVE_PROCESS_ENV
+from deployments.ray_env import LAPTOP_RAY_ENV, SERVE_PROCESS_ENV
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-# The cluster's controller and proxy run with the settings the app ships with.
-for _key, _value in SERVE_PROCESS_ENV.items():
+# The cluster's controller and proxy run with the settings the app ships with, and those of a
+# cluster started on the machine it serves from (`make test` exports both, as `make serve` does).
+for _key, _value in {**SERVE_PROCESS_ENV, **LAPTOP_RAY_ENV}.items():
     os.environ.setdefault(_key, _value)
 
 
