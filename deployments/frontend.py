@@ -27,7 +27,13 @@ from deployments.admission import CONTENT_TYPE_LATEST, Admission
 from deployments.config import AppArgs
 from deployments.engine_backend import EngineBackend
 from deployments.generation import Generation
-from deployments.health import CachedVerdict, Reports, cluster_verdict, health_verdict
+from deployments.health import (
+    CachedVerdict,
+    EngineStatesCache,
+    Reports,
+    cluster_verdict,
+    health_verdict,
+)
 from deployments.http_errors import HTTPError, install_error_handlers
 from deployments.metrics import render
 from deployments.validation import GenerationJob, RequestValidator, session_header, session_key
@@ -68,7 +74,8 @@ class OpenAIFrontend:
         self.generation = Generation(args, backend, self.admission, prefill)
         self.reports = reports
         self.api_key = args.resolved_api_key()
-        self.health_cache = CachedVerdict(lambda: cluster_verdict(reports))
+        engine_states = EngineStatesCache()
+        self.health_cache = CachedVerdict(lambda: cluster_verdict(reports, engine_states))
         self.replica_id = replica_id
         # None: tracing is off (nothing of OpenTelemetry is imported then).
         self.tracer = tracing.setup(args.otlp_traces_endpoint)

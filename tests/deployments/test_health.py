@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from ray import serve
 
 from deployments.frontend import OpenAIFrontend, openai_routes
-from deployments.health import CachedVerdict, Verdict, unavailable
+from deployments.health import CachedVerdict, EngineStates, EngineStatesCache, Verdict, unavailable
 
 OK: Verdict = (True, {"status": "ok", "replicas": {"RUNNING": 2}, "healthy_replicas": ["a", "b"]})
 SECRET = "ActorDiedError: registry at 10.0.0.7:6379 (pid 4242)"
@@ -251,3 +251,74 @@ def test_metrics_unavailable_carries_no_internals(serve_routes: Any) -> None:
     assert r.status_code == 503
     assert r.json()["error"]["message"] == "metrics unavailable"
     assert "Error" not in r.text and "10.0.0.7" not in r.text
+
+
+RUNNING = EngineStates({"RUNNING": 2}, "HEALTHY")
+
+
+class StateReads:
+    """Serve's view as ``read_engine_states`` would return it, one of ``views`` per call (the
+    last repeats), counting the calls."""
+
+    def __init__(self, *views: EngineStates) -> None:
+        self.views = list(views)
+        self.calls = 0
+
+    def __call__(self) -> EngineStates:
+        view = self.views[min(self.calls, len(self.views) - 1)]
+        self.calls += 1
+        return view
+
+
+def test_a_steady_view_of_serve_is_read_once_per_period() -> None:
+    clock, reads = Clock(), StateReads(RUNNING)
+    cache = EngineStatesCache(reads, period_s=10.0, clock=clock)
+    both = frozenset({"a", "b"})
+
+    async def run() -> None:
+        for _ in range(5):
+            assert await cache.get(both) == RUNNING
+            clock.now += 1.0
+        assert reads.calls == 1
+        clock.now += 6.0  # 11 s after the read
+        await cache.get(both)
+        assert reads.calls == 2
+
+    asyncio.run(run())
+
+
+def test_serve_is_asked_again_when_the_reporting_replicas_change() -> None:
+    reads = StateReads(RUNNING, EngineStates({"RUNNING": 3}, "HEALTHY"))
+    cache = EngineStatesCache(reads, period_s=10.0, clock=Clock())
+
+    async def run() -> None:
+        await cache.get(frozenset({"a", "b"}))
+        assert (await cache.get(frozenset({"a", "b", "c"}))).states == {"RUNNING": 3}
+        await cache.get(frozenset({"a", "b", "c"}))
+        assert reads.calls == 2
+        await cache.get(frozenset({"a", "c"}))  # b died
+        assert reads.calls == 3
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "unsteady",
+    [
+        EngineStates({"RUNNING": 1, "STARTING": 1}, "UPDATING"),
+        EngineStates({"RUNNING": 2}, "UNHEALTHY"),
+        EngineStates({}, None),
+    ],
+)
+def test_a_view_that_is_about_to_change_is_read_on_every_refresh(unsteady: EngineStates) -> None:
+    """A replica starting (or a deployment unhealthy) need not change who reports when it ends,
+    so such a view is never reused: /health turns ok on the first refresh after it does."""
+    reads = StateReads(unsteady, unsteady, RUNNING)
+    cache = EngineStatesCache(reads, period_s=10.0, clock=Clock())
+    reporting = frozenset({"a"})
+
+    async def run() -> list[EngineStates]:
+        return [await cache.get(reporting) for _ in range(4)]
+
+    assert asyncio.run(run()) == [unsteady, unsteady, RUNNING, RUNNING]
+    assert reads.calls == 3
