@@ -36,7 +36,11 @@ class ReplicaView:
       * ``inflight_prefill`` maps each of this router's in-flight requests to the prompt blocks it
         was expected to prefill (those not believed cached when it was routed);
         ``unreported_prefill`` sums them over the requests routed after ``report_at``, which the
-        newest report's ``reported_prefill_blocks`` cannot include yet.
+        newest report's ``reported_prefill_blocks`` cannot include yet; ``reported_own_prefill``
+        sums them over the others (routed at or before ``report_at``, not completed since), and
+        ``foreign_prefill`` is the part of the report's figure those requests did not account
+        for when it was applied (other routers' requests, or blocks this router wrongly believed
+        cached).
     """
 
     __slots__ = (
@@ -58,6 +62,8 @@ class ReplicaView:
         "reported_prefill_blocks",
         "inflight_prefill",
         "unreported_prefill",
+        "reported_own_prefill",
+        "foreign_prefill",
         "transfer_cost_ratio",
         "cross_node_transfer_cost_ratio",
         "node_id",
@@ -90,6 +96,8 @@ class ReplicaView:
         # Recent seconds per decode step, with ``num_running`` sequences (None: nothing decodes).
         self.decode_step_s: float | None = None
         self.unreported_prefill = 0
+        self.reported_own_prefill = 0
+        self.foreign_prefill = 0
 
     @property
     def num_in_flight(self) -> int:
@@ -107,9 +115,20 @@ class ReplicaView:
     @property
     def estimated_prefill_blocks(self) -> int:
         """Prompt blocks queued for prefill on the replica now: the newest report's figure plus the
-        blocks of this router's requests routed since. Requests that finished their prefill since
-        the report still count until the next one (a report period at most)."""
-        return self.reported_prefill_blocks + self.unreported_prefill
+        blocks of this router's requests routed since.
+
+        A request of this router that completed since the report has certainly finished its
+        prefill, so the report's figure is capped at what can still be queued: the expected
+        prefill of this router's requests that it may include and that are still in flight, plus
+        the part no such request accounted for (``foreign_prefill``). Without the cap a replica
+        whose long prompt finished looks busy until its next report, and requests sharing a
+        prefix with it leave it for a replica that must recompute the prefix. Requests still in
+        flight that finished their prefill since the report still count until the next one (a
+        report period at most): nothing tells this router when their first token came."""
+        reported = min(
+            self.reported_prefill_blocks, self.reported_own_prefill + self.foreign_prefill
+        )
+        return reported + self.unreported_prefill
 
     def holds(self, block_hash: int, now: float, decision_ttl_s: float) -> bool:
         """Whether the replica is believed to cache ``block_hash`` at ``now``."""
@@ -156,6 +175,8 @@ class ReplicaView:
                 break
             unreported += self.inflight_prefill.get(request_id, 0)
         self.unreported_prefill = unreported
+        self.reported_own_prefill = sum(self.inflight_prefill.values()) - unreported
+        self.foreign_prefill = max(0, pending_blocks - self.reported_own_prefill)
 
     def drop_stale_decisions(self, now: float, decision_ttl_s: float, confirmed_at: float) -> None:
         """Forget unpinned decisions older than ``confirmed_at`` (a report's time) or the TTL."""
@@ -297,6 +318,8 @@ class ClusterState:
         uncached = view.inflight_prefill.pop(request_id, 0)
         if routed_at > view.report_at:
             view.unreported_prefill -= uncached
+        else:
+            view.reported_own_prefill -= uncached
         own = view.own
         for h in request.block_hashes:
             entry = own.get(h)

@@ -170,8 +170,38 @@ def test_queued_prefill_reported_plus_own_requests_routed_since() -> None:
     s.on_request_routed("q3", "a", H[:12], now=4.0)  # 2 new blocks (own decisions hold 0..9)
     assert view.estimated_prefill_blocks == 3
     s.on_request_completed("q3", now=4.5)  # routed after the report: its guess goes
-    s.on_request_completed("q1", now=4.5)  # routed before: the report already accounts for it
     assert view.estimated_prefill_blocks == 1
+    # Routed before: the report's block can only have been its own (q2 expected none, and no
+    # foreign request was seen), and a completed request has finished its prefill.
+    s.on_request_completed("q1", now=4.5)
+    assert view.estimated_prefill_blocks == 0
+
+
+def test_completed_request_takes_its_prefill_out_of_the_reported_queue() -> None:
+    s = state()
+    s.on_request_routed("long", "a", H[:20], now=1.0)  # 20 blocks to prefill
+    s.on_request_routed("other", "a", H[:1], now=1.0)  # fully covered by "long" below
+    view = s.views["a"]
+    # The report, taken while "long" was still prefilling, counts its 20 blocks.
+    s.apply_report("a", report("a", [], at=1.5, running=2, pending_prefill_tokens=320), now=1.5)
+    assert view.estimated_prefill_blocks == 20
+    # "long" completes before the next report: its prefill is over, nothing is queued any more.
+    s.on_request_completed("long", now=1.8)
+    assert view.estimated_prefill_blocks == 0
+
+
+def test_prefill_of_other_routers_requests_stays_until_the_next_report() -> None:
+    s = state()
+    s.on_request_routed("mine", "a", H[:4], now=1.0)  # 4 blocks to prefill
+    view = s.views["a"]
+    # The report counts 30 queued blocks: at most 4 of them this router's request's, so at
+    # least 26 belong to requests other routers sent.
+    s.apply_report("a", report("a", [], at=1.5, running=2, pending_prefill_tokens=480), now=1.5)
+    assert view.estimated_prefill_blocks == 30
+    s.on_request_completed("mine", now=1.8)
+    assert view.estimated_prefill_blocks == 26
+    s.apply_report("a", report("a", [], at=2.0, running=1, pending_prefill_tokens=0), now=2.0)
+    assert view.estimated_prefill_blocks == 0
 
 
 def test_report_validation() -> None:
@@ -283,3 +313,12 @@ def test_accounting_invariants(ops: list[tuple]) -> None:
                 assert pins == covering
             for request_id in view.inflight:
                 assert s.in_flight(request_id) == view.replica_id
+            # The prefill of own requests the newest report may include, still in flight.
+            counted = sum(
+                view.inflight_prefill[r] for r, t in view.inflight.items() if t <= view.report_at
+            )
+            assert view.reported_own_prefill == counted
+            assert view.unreported_prefill <= view.estimated_prefill_blocks
+            assert view.estimated_prefill_blocks <= (
+                view.reported_prefill_blocks + view.unreported_prefill
+            )
