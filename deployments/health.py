@@ -115,9 +115,8 @@ class EngineStatesCache:
     """Serve's view for the verdict, read again only when it may have changed.
 
     ``serve.status()`` is the costly part of a refresh: it rebuilds every deployment's config,
-    and each one cloudpickles its request router class by value (~10 ms of CPU in a lean
-    process, more in a replica with torch's modules loaded), every second while anything probes
-    ``/health``. Invariant: the cached view is used only while it was steady when read (every
+    and each one cloudpickles its request router class by value, walking every loaded module
+    (docs/benchmarks.md has its cost), every second while anything probes ``/health``. Invariant: the cached view is used only while it was steady when read (every
     replica running, none unhealthy), the replicas that report are the same ones as then (none
     started serving, stopped or died since), and it is younger than ``period_s``; otherwise the
     next refresh reads it again."""
@@ -132,7 +131,6 @@ class EngineStatesCache:
         self.read = read
         self.period_s = period_s
         self.clock = clock
-        self.reads = 0
         self._view: EngineStates | None = None
         self._reporting: frozenset[str] = frozenset()
         self._at = -math.inf
@@ -145,7 +143,6 @@ class EngineStatesCache:
             or reporting != self._reporting
             or self.clock() - self._at > self.period_s
         ):
-            self.reads += 1
             view = await asyncio.to_thread(self.read)
             self._view, self._reporting, self._at = view, reporting, self.clock()
         return view
