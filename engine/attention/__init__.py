@@ -15,13 +15,13 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "backend_for_model", "select
 
 
 def flash_available(device: torch.device) -> bool:
+    """Whether ``device`` is CUDA and a flash kernel provider loads (``vllm_flash_attn``,
+    ``flash_attn`` or our Triton kernels; see ``engine.attention.flash_kernels``)."""
     if device.type != "cuda":
         return False
-    try:
-        import vllm_flash_attn  # noqa: F401
-    except Exception:
-        return False
-    return True
+    from engine.attention.flash_kernels import load_flash_kernels
+
+    return load_flash_kernels() is not None
 
 
 def native_cpu_available(device: torch.device) -> bool:
@@ -33,7 +33,7 @@ def native_cpu_available(device: torch.device) -> bool:
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """``auto`` picks flash-attention on CUDA when ``vllm_flash_attn`` imports; on CPU the native
+    """``auto`` picks flash-attention on CUDA when a flash kernel provider loads; on CPU the native
     paged decode kernel when it builds (``cpu``); else the pure-PyTorch ``torch`` backend."""
     if name == "auto":
         if flash_available(device) and dtype != torch.float32:
@@ -50,7 +50,10 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> Atten
         return CpuAttentionBackend(dtype)
     if name == "flash":
         if not flash_available(device):
-            raise ValueError("attention_backend: flash needs a CUDA device and vllm-flash-attn")
+            raise ValueError(
+                "attention_backend: flash needs a CUDA device and one of vllm-flash-attn, "
+                "flash-attn or triton"
+            )
         if dtype == torch.float32:
             raise ValueError("attention_backend: flash supports float16 and bfloat16 only")
         from engine.attention.flash_backend import FlashAttentionBackend

@@ -80,6 +80,12 @@ class AttentionBackend:
     # ``softcap`` (tanh soft-capping of the scores); models that need them run elsewhere.
     supports_window = False
     supports_softcap = False
+    # Whether a pure-decode step (``num_decodes`` equal to the number of sequences) can be
+    # captured in a CUDA graph: for metadata whose tensors stay at fixed addresses, ``prepare``
+    # and ``forward`` launch only device work, never sync with the host, and read no Python
+    # value of the metadata but shapes and ``num_decodes`` (not ``max_seq_len``,
+    # ``seq_lens_list`` or ``query_start_loc_list``).
+    supports_cuda_graphs = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Set ``meta.plan``: the per-step tensors every layer of the step shares."""

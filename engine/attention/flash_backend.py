@@ -1,8 +1,14 @@
-"""flash-attention's paged varlen kernel (``vllm_flash_attn``) on CUDA.
+"""FlashAttention over the paged cache on CUDA, from whichever provider loads
+(``engine.attention.flash_kernels``: ``vllm_flash_attn``, ``flash_attn`` or our Triton kernels).
 
-One call covers the whole flat batch, decodes and prefill chunks alike: the kernel reads each
-sequence's KV straight from the paged cache through ``block_table`` (``cu_seqlens_k`` then gives
-the context lengths) and aligns the causal mask to the bottom right. Needs fp16/bf16 and a block size that is a multiple of 16.
+A pure-decode step (every sequence has one query token) is one ``flash_attn_with_kvcache`` call
+with ``q`` viewed ``[B, 1, H, D]``; any other step is one ``flash_attn_varlen_func`` call over
+the whole flat batch, decodes and prefill chunks alike. Both read each sequence's KV straight
+from the paged cache through ``block_table`` and align the causal mask to the bottom right.
+
+The decode path is safe to capture in a CUDA graph (``supports_cuda_graphs``): ``prepare`` and
+``forward`` launch only device work and read no Python value of the metadata but shapes and
+``num_decodes``.
 """
 
 from __future__ import annotations
@@ -12,44 +18,60 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, AttentionPlan
+from engine.attention.flash_kernels import FlashKernels, load_flash_kernels
 
 
 @dataclass
 class FlashAttentionPlan(AttentionPlan):
-    """The kernel's int32 views of the step, on the batch's device: ``cu_seqlens_q [num_seqs +
-    1]`` is ``query_start_loc``; ``cu_seqlens_k [num_seqs + 1]`` starts at 0 and adds each
-    sequence's context length (``seq_lens``); ``block_table [num_seqs, max_blocks]`` is
-    ``block_tables``."""
+    """The kernels' int32 views of the step, on the batch's device: ``block_table [num_seqs,
+    max_blocks]`` is ``block_tables`` and ``cache_seqlens [num_seqs]`` is ``seq_lens``. For a step
+    that is not pure decode also ``cu_seqlens_q [num_seqs + 1]`` (``query_start_loc``) and
+    ``cu_seqlens_k [num_seqs + 1]`` (0, then the running sum of ``seq_lens``); both are None on a
+    pure-decode step, which needs neither."""
 
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
     block_table: torch.Tensor
+    cache_seqlens: torch.Tensor
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
 
 
-def flash_plan(meta: AttentionMetadata) -> FlashAttentionPlan:
+def is_pure_decode(meta: AttentionMetadata) -> bool:
+    """Whether every sequence of the step has one query token, from ``num_decodes`` and a shape
+    only (no host list, so a captured graph decides the same way)."""
+    return meta.num_decodes == meta.seq_lens.shape[0]
+
+
+def flash_plan(meta: AttentionMetadata, block_multiple: int = 16) -> FlashAttentionPlan:
     """The flash backend's plan for the step laid out by ``meta``; raises ValueError when the
-    block size is not a multiple of 16 (the kernel's paged layout needs one)."""
-    if meta.block_size % 16:
-        raise ValueError("block_size: the flash backend needs a multiple of 16")
-    cu_k = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=meta.seq_lens.device)
-    torch.cumsum(meta.seq_lens, 0, out=cu_k[1:])
-    return FlashAttentionPlan(
-        cu_seqlens_q=meta.query_start_loc.to(torch.int32),
-        cu_seqlens_k=cu_k,
+    block size is not a multiple of ``block_multiple`` (the kernels' paged layout needs one)."""
+    if meta.block_size % block_multiple:
+        raise ValueError(f"block_size: the flash kernels need a multiple of {block_multiple}")
+    plan = FlashAttentionPlan(
         block_table=meta.block_tables.to(torch.int32),
+        cache_seqlens=meta.seq_lens.to(torch.int32),
     )
+    if not is_pure_decode(meta):
+        num_seqs = meta.seq_lens.shape[0]
+        cu_k = torch.zeros(num_seqs + 1, dtype=torch.int32, device=meta.seq_lens.device)
+        torch.cumsum(meta.seq_lens, 0, out=cu_k[1:])
+        plan.cu_seqlens_q = meta.query_start_loc.to(torch.int32)
+        plan.cu_seqlens_k = cu_k
+    return plan
 
 
 class FlashAttentionBackend(AttentionBackend):
     name = "flash"
+    supports_cuda_graphs = True
 
-    def __init__(self) -> None:
-        from vllm_flash_attn import flash_attn_varlen_func
-
-        self._varlen = flash_attn_varlen_func
+    def __init__(self, kernels: FlashKernels | None = None) -> None:
+        """``kernels``: the provider to run (tests force one); None: the first that loads."""
+        found = kernels or load_flash_kernels()
+        if found is None:
+            raise ValueError("no flash kernel provider loads")
+        self.kernels = found
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        meta.plan = flash_plan(meta)
+        meta.plan = flash_plan(meta, self.kernels.block_multiple)
 
     def forward(
         self,
@@ -63,7 +85,18 @@ class FlashAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         plan = meta.plan_as(FlashAttentionPlan)
         self.write_kv(k, v, k_cache, v_cache, meta)
-        return self._varlen(
+        if plan.cu_seqlens_q is None or plan.cu_seqlens_k is None:
+            out = self.kernels.with_kvcache(
+                q=q.unsqueeze(1),
+                k_cache=k_cache,
+                v_cache=v_cache,
+                cache_seqlens=plan.cache_seqlens,
+                block_table=plan.block_table,
+                softmax_scale=scale,
+                causal=True,
+            )
+            return out.squeeze(1)
+        return self.kernels.varlen(
             q=q,
             k=k_cache,
             v=v_cache,
