@@ -524,9 +524,7 @@ def flash_attn_with_kvcache(
     m_tiles = triton.cdiv(sq, block_m)
     splits = num_splits or num_splits_for(batch, num_kv_heads, block_table.shape[1], page)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    acc = torch.empty(
-        (batch, sq, num_heads, splits, block_d), dtype=torch.float32, device=q.device
-    )
+    acc = torch.empty((batch, sq, num_heads, splits, block_d), dtype=torch.float32, device=q.device)
     ml = torch.empty((2, batch, sq, num_heads, splits), dtype=torch.float32, device=q.device)
     _split_kernel[(batch * m_tiles, num_kv_heads, splits)](
         q,
