@@ -97,8 +97,23 @@ def test_flash_plan_is_the_kernels_int32_view_of_the_step():
     assert plan.cu_seqlens_k.tolist() == [0, 40, 57, 90]
     assert torch.equal(plan.block_table.long(), meta.block_tables)
 
+    assert plan.cache_seqlens.dtype == torch.int32
+    assert plan.cache_seqlens.tolist() == seq_lens
+
     with pytest.raises(ValueError, match="block_size"):
         flash_plan(_layout(8, seq_lens, qlens))
+    # The Triton kernels take any block size.
+    assert flash_plan(_layout(8, seq_lens, qlens), block_multiple=1).block_table.shape == (3, 5)
+
+
+def test_flash_plan_of_a_pure_decode_step_is_the_kvcache_call_alone():
+    meta = _layout(16, [40, 17, 1], [1, 1, 1])
+    # The decision reads num_decodes and shapes, never the host lists.
+    meta.seq_lens_list = meta.query_start_loc_list = None  # type: ignore[assignment]
+    plan = flash_plan(meta)
+    assert plan.cu_seqlens_q is None and plan.cu_seqlens_k is None
+    assert plan.cache_seqlens.tolist() == [40, 17, 1]
+    assert plan.cache_seqlens.dtype == plan.block_table.dtype == torch.int32
 
 
 def test_a_backend_reads_only_a_plan_of_its_own_kind():
