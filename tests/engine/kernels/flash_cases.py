@@ -195,6 +195,17 @@ def kvcache(device: str, dtype: torch.dtype) -> None:
                     expected = reference(p.queries[i], p.keys[i], p.values[i], dim**-0.5)
                     what = f"Sq={sq} H={heads} Hkv={kv_heads} splits={splits} seq {i}"
                     close(out[i], expected, what)
+            # A padding row of a captured batch (no keys): zeros, and the others unchanged.
+            lens = p.seq_lens.clone()
+            lens[1] = 0
+            padded = flash_attn_with_kvcache(
+                q, p.k_cache, p.v_cache, lens, p.block_table, num_splits=4
+            )
+            full = flash_attn_with_kvcache(
+                q, p.k_cache, p.v_cache, p.seq_lens, p.block_table, num_splits=4
+            )
+            if padded[1].abs().max().item() != 0 or not torch.equal(padded[2], full[2]):
+                raise AssertionError(f"Sq={sq}: a sequence with no keys changed the output")
 
 
 def backend(device: str, dtype: torch.dtype) -> None:
