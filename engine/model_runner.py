@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.cuda_graph import DecodeGraphs, GraphCapture, graph_sizes
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.request import Request
@@ -83,7 +84,14 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         sampler: Sampler,
+        capture: GraphCapture | None = None,
+        max_num_seqs: int = 1,
+        max_model_len: int = 1,
     ) -> None:
+        """With ``capture``, pure-decode steps of up to ``max_num_seqs`` sequences replay graphs
+        captured here (``engine.cuda_graph``); the cache then holds one block more than
+        ``num_blocks``, the padding rows' scratch block (index ``num_blocks``), which the block
+        pool, sized ``num_blocks``, never hands out."""
         self.model = model
         self.cfg = model_cfg
         self.backend = backend
@@ -91,7 +99,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.sampler = sampler
-        shape = (num_blocks, block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        scratch = 1 if capture is not None else 0
+        shape = (num_blocks + scratch, block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=dtype, device=device),
@@ -99,6 +108,23 @@ class ModelRunner:
             )
             for _ in range(model_cfg.num_layers)
         ]
+        self.graphs: DecodeGraphs | None = None
+        if capture is not None:
+            self.graphs = DecodeGraphs(
+                model,
+                self.kv_caches,
+                graph_sizes(max_num_seqs),
+                block_size,
+                max_model_len,
+                scratch_block=num_blocks,
+                device=device,
+            )
+            self.graphs.capture(capture)
+
+    @property
+    def graph_replays(self) -> int:
+        """Decode steps that replayed a captured graph so far."""
+        return self.graphs.replays if self.graphs is not None else 0
 
     def prepare(self, seqs: list[ScheduledSeq]) -> BatchInputs:
         """Order decodes first and build every per-step tensor once. A request's newest tokens
@@ -199,6 +225,13 @@ class ModelRunner:
     def run(self, batch: BatchInputs) -> StepOutput:
         """``execute`` of a batch already prepared (every pending token filled in)."""
         assert not batch.pending, "fill_pending() first"
+        if self.graphs is not None and batch.sample_requests and not batch.prompt_rows:
+            logits = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+            if logits is not None:
+                if len(batch.sample_requests) < logits.shape[0]:
+                    logits = logits[batch.logits_indices]
+                sampled = self.sampler(logits, batch.sample_requests)
+                return StepOutput(batch.sample_requests, sampled, [])
         # Prompt logprobs read every prompt row's hidden state; otherwise, where a prompt chunk
         # samples fewer rows than it computes, only the sampled rows go through the last layer.
         sampled = batch.logits_indices

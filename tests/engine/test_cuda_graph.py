@@ -1,0 +1,211 @@
+"""Decode graphs (``engine.cuda_graph``) on CPU: the capture is replaced by one that reruns the
+captured function into the same static output, so padding, the static buffers, the scratch
+block and which steps qualify are checked here; real CUDA capture runs in tests/engine/test_cuda.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine import SamplingParams
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionPlan
+from engine.cuda_graph import Captured, graph_sizes, use_cuda_graphs
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner, ScheduledSeq
+from tests.engine.helpers import make_engine
+from tests.engine.helpers import random_tokens as tokens
+
+BLOCK = 8
+
+
+class RerunCapture:
+    """Records each captured function and, on replay, reruns it into the captured output (what
+    a CUDA graph does, minus the graph)."""
+
+    def __init__(self) -> None:
+        self.captured = 0
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Captured:
+        self.captured += 1
+        output = fn()
+
+        def replay() -> None:
+            output.copy_(fn())
+
+        return Captured(replay, output)
+
+
+class GraphSafeBackend(TorchAttentionBackend):
+    """The torch backend with a decode plan made from tensors and shapes only (no Python list
+    of the metadata, no host read), as a graph-safe backend must be."""
+
+    supports_cuda_graphs = True
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if meta.num_decodes != meta.num_tokens:
+            super().prepare(meta)
+            return
+        tables = meta.block_tables
+        span = tables.shape[1] * meta.block_size
+        keys = torch.arange(span, device=tables.device)[None, :] < meta.seq_lens[:, None]
+        meta.plan = TorchAttentionPlan(tables, keys[:, None, None, :])
+
+
+def swap_runner(engine: LLMEngine, graphs: bool, max_num_seqs: int = 4) -> RerunCapture | None:
+    """Give ``engine`` a runner over GraphSafeBackend and the reference ops (what CUDA runs),
+    capturing decode graphs up to ``max_num_seqs`` when ``graphs``."""
+    backend = GraphSafeBackend()
+    engine.model.backend = backend
+    engine.model.use_fused = False
+    capture = RerunCapture() if graphs else None
+    engine.runner = ModelRunner(
+        engine.model,
+        engine.model_cfg,
+        backend,
+        engine.num_blocks,
+        BLOCK,
+        engine.device,
+        engine.dtype,
+        engine.sampler,
+        capture=capture,
+        max_num_seqs=max_num_seqs,
+        max_model_len=engine.max_model_len,
+    )
+    return capture
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            out[delta.request_id].extend(delta.new_token_ids)
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+def test_sizes_follow_the_ladder_up_to_max_num_seqs():
+    assert graph_sizes(1) == [1]
+    assert graph_sizes(3) == [1, 2, 3]
+    assert graph_sizes(8) == [1, 2, 4, 8]
+    assert graph_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+def test_graphs_only_on_cuda_with_a_graph_safe_backend_and_not_eager():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    safe, unsafe = GraphSafeBackend(), TorchAttentionBackend()
+    assert use_cuda_graphs(cuda, safe, enforce_eager=False)
+    assert not use_cuda_graphs(cuda, safe, enforce_eager=True)
+    assert not use_cuda_graphs(cuda, unsafe, enforce_eager=False)
+    assert not use_cuda_graphs(cpu, safe, enforce_eager=False)
+    assert AttentionBackend.__dict__.get("supports_cuda_graphs", False) is False
+
+
+def test_cpu_engine_captures_nothing(tiny_llama):
+    engine = make_engine(tiny_llama, block_size=BLOCK, num_kv_blocks=32, enforce_eager=False)
+    assert engine.runner.graphs is None
+    assert engine.runner.kv_caches[0][0].shape[0] == 32
+    generate(engine, [tokens(5, 0)], max_tokens=3)
+    assert engine.runner.graph_replays == 0
+
+
+def test_graph_decode_equals_eager_and_leaves_real_blocks_alone(tiny_llama):
+    """Greedy tokens and every pool block's KV equal the eager runner's, for batches padded
+    from 3 to 4 rows and from 1 to 1; padding writes only the scratch block."""
+    prompts = [tokens(n, seed) for seed, n in enumerate((5, 13, 21))]
+    results = []
+    for graphs in (False, True):
+        engine = make_engine(tiny_llama, block_size=BLOCK, num_kv_blocks=32)
+        capture = swap_runner(engine, graphs)
+        runner = engine.runner
+        if capture is not None:
+            assert capture.captured == len(graph_sizes(4))
+            # One scratch block past the pool's 32; the pool never hands it out.
+            assert runner.kv_caches[0][0].shape[0] == 33
+            assert runner.graphs is not None and runner.graphs.scratch_block == 32
+            assert engine.kv.pool.num_blocks == 32
+            assert max(b.block_id for b in engine.kv.pool.blocks) == 31
+        # A fourth request, alone at the end, decodes in a batch of one.
+        outs = generate(engine, prompts, max_tokens=6) + generate(engine, [tokens(7, 9)], 4)
+        if runner.graphs is not None:
+            # The last step decoded one row: every other row is padding, in the scratch block.
+            assert runner.graphs.block_tables[1:].eq(32).all()
+            assert runner.graphs.block_tables[0, 2:].eq(32).all()  # 10 tokens: 2 blocks
+        results.append((outs, runner.read_blocks(list(range(32))), runner.graph_replays))
+    (eager, eager_kv, eager_replays), (graph, graph_kv, replays) = results
+    assert graph == eager
+    assert all(len(t) == n for t, n in zip(graph, (6, 6, 6, 4), strict=True))
+    torch.testing.assert_close(graph_kv, eager_kv, atol=1e-5, rtol=1e-5)
+    assert eager_replays == 0
+    # 5 decode steps for the three, 3 for the last one: each replayed a graph.
+    assert replays == 5 + 3
+
+
+def test_logits_equal_eager_for_each_padded_size(tiny_llama):
+    engine = make_engine(tiny_llama, block_size=BLOCK, num_kv_blocks=64)
+    swap_runner(engine, graphs=True, max_num_seqs=8)
+    runner, graphs = engine.runner, engine.runner.graphs
+    assert graphs is not None
+    requests = []
+    for i in range(7):
+        r = engine.add_request(str(i), tokens(3 + 4 * i, i), SamplingParams(temperature=0.0))
+        assert engine.kv.allocate_slots(r, r.num_prompt_tokens)
+        requests.append(r)
+    prefill = [
+        ScheduledSeq(r, r.num_prompt_tokens - 1, engine.kv.block_ids(r.request_id))
+        for r in requests
+    ]
+    with torch.inference_mode():
+        runner.run(runner.prepare(prefill))
+    # Each batch below decodes the last prompt token of its first n requests (one query row each).
+    for n in (1, 3, 5, 7):
+        seqs = [ScheduledSeq(r, 1, engine.kv.block_ids(r.request_id)) for r in requests[:n]]
+        for r in requests[:n]:
+            r.num_computed_tokens = r.num_prompt_tokens - 1
+        batch = runner.prepare(seqs)
+        with torch.inference_mode():
+            hidden = engine.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)
+            eager = engine.model.compute_logits(hidden)
+            logits = graphs.run(batch.input_ids, batch.positions, batch.meta)
+        assert logits is not None and logits.shape == eager.shape
+        torch.testing.assert_close(logits, eager, atol=1e-5, rtol=1e-5)
+        size = graphs.size_for(n)
+        assert graphs.input_ids[n:size].eq(0).all() and graphs.seq_lens[n:size].eq(1).all()
+        assert graphs.slot_mapping[n:size].eq(graphs.scratch_block * BLOCK).all()
+
+
+def test_steps_that_do_not_qualify_run_eagerly(tiny_llama):
+    engine = make_engine(tiny_llama, block_size=BLOCK, num_kv_blocks=64)
+    swap_runner(engine, graphs=True, max_num_seqs=2)
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    rs = []
+    for i in range(3):
+        r = engine.add_request(str(i), tokens(4, i), SamplingParams(temperature=0.0))
+        assert engine.kv.allocate_slots(r, 5)
+        rs.append(r)
+    ids = {r.request_id: engine.kv.block_ids(r.request_id) for r in rs}
+    # A prefill chunk beside a decode: not pure decode.
+    rs[0].num_computed_tokens = 3
+    mixed = engine.runner.prepare(
+        [ScheduledSeq(rs[0], 1, ids["0"]), ScheduledSeq(rs[1], 4, ids["1"])]
+    )
+    assert graphs.run(mixed.input_ids, mixed.positions, mixed.meta) is None
+    # Three decodes: more than the largest graph (2).
+    for r in rs:
+        r.num_computed_tokens = 3
+    wide = engine.runner.prepare([ScheduledSeq(r, 1, ids[r.request_id]) for r in rs])
+    assert graphs.run(wide.input_ids, wide.positions, wide.meta) is None
+    assert graphs.replays == 0
+    # Prompt logprobs need the prompt rows' hidden states: the runner runs such a step eagerly.
+    two = engine.add_request("two", [5, 6, 7], SamplingParams(temperature=0.0, prompt_logprobs=1))
+    assert engine.kv.allocate_slots(two, 2)
+    two.num_computed_tokens = 1
+    batch = engine.runner.prepare([ScheduledSeq(two, 1, engine.kv.block_ids("two"))])
+    assert batch.prompt_rows and batch.meta.num_decodes == 1
+    step = engine.runner.run(batch)
+    assert graphs.replays == 0 and len(step.prompt_logprobs) == 1
