@@ -7,12 +7,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from engine import SamplingParams
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionPlan
-from engine.cuda_graph import Captured, graph_sizes, use_cuda_graphs
+from engine.cuda_graph import (
+    Captured,
+    CudaGraphCapture,
+    GraphCapture,
+    graph_sizes,
+    use_cuda_graphs,
+)
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner, ScheduledSeq
 from tests.engine.helpers import make_engine
@@ -54,19 +61,28 @@ class GraphSafeBackend(TorchAttentionBackend):
         meta.plan = TorchAttentionPlan(tables, keys[:, None, None, :])
 
 
-def swap_runner(engine: LLMEngine, graphs: bool, max_num_seqs: int = 4) -> RerunCapture | None:
+def swap_runner(
+    engine: LLMEngine,
+    graphs: bool,
+    max_num_seqs: int = 4,
+    capture: GraphCapture | None = None,
+) -> GraphCapture | None:
     """Give ``engine`` a runner over GraphSafeBackend and the reference ops (what CUDA runs),
-    capturing decode graphs up to ``max_num_seqs`` when ``graphs``."""
+    capturing decode graphs up to ``max_num_seqs`` when ``graphs`` (with ``capture``, by
+    default a RerunCapture)."""
     backend = GraphSafeBackend()
     engine.model.backend = backend
     engine.model.use_fused = False
-    capture = RerunCapture() if graphs else None
+    if graphs and capture is None:
+        capture = RerunCapture()
+    if not graphs:
+        capture = None
     engine.runner = ModelRunner(
         engine.model,
         engine.model_cfg,
         backend,
         engine.num_blocks,
-        BLOCK,
+        engine.config.block_size,
         engine.device,
         engine.dtype,
         engine.sampler,
@@ -77,9 +93,16 @@ def swap_runner(engine: LLMEngine, graphs: bool, max_num_seqs: int = 4) -> Rerun
     return capture
 
 
-def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def generate(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    params: list[SamplingParams] | None = None,
+) -> list[list[int]]:
+    """Each prompt's output tokens (greedy unless ``params`` give each prompt's)."""
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        p = params[i] if params else SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        engine.add_request(str(i), prompt, p)
     out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while engine.has_unfinished_requests():
         for delta in engine.step():
@@ -209,3 +232,36 @@ def test_steps_that_do_not_qualify_run_eagerly(tiny_llama):
     assert batch.prompt_rows and batch.meta.num_decodes == 1
     step = engine.runner.run(batch)
     assert graphs.replays == 0 and len(step.prompt_logprobs) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_cuda_graphs_equal_eager_on_cuda(tiny_llama):
+    """Real capture and replay on a GPU (float32, the reference ops and a graph-safe decode
+    plan): the tokens of greedy and of seeded / unseeded sampled requests with filters,
+    penalties and logprobs equal the eager engine's; the pool's blocks hold the same KV."""
+    prompts = [tokens(n, seed) for seed, n in enumerate((5, 13, 21, 2, 40))]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, logprobs=2),
+        SamplingParams(temperature=1.0, top_k=20, seed=4, repetition_penalty=1.2, max_tokens=12),
+        SamplingParams(temperature=0.0, frequency_penalty=0.5, max_tokens=12),
+        SamplingParams(temperature=0.7, min_p=0.05, seed=5, max_tokens=12),
+    ]
+    results = []
+    for graphs in (False, True):
+        engine = make_engine(
+            tiny_llama, block_size=16, num_kv_blocks=32, device="cuda", max_num_seqs=8
+        )
+        assert engine.device.type == "cuda"
+        capture = CudaGraphCapture(engine.device) if graphs else None
+        swap_runner(engine, graphs, max_num_seqs=8, capture=capture)
+        outs = generate(engine, prompts, 12, params) + generate(engine, [tokens(9, 9)], 5)
+        kv = engine.runner.read_blocks(list(range(32))).cpu()
+        results.append((outs, kv, engine.runner.graph_replays))
+        pool = engine.kv.pool
+        assert pool.num_free_blocks == pool.num_blocks
+    (eager, eager_kv, eager_replays), (graph, graph_kv, replays) = results
+    print(f"eager tokens {eager}\ngraph tokens {graph}\ngraph replays {replays}")
+    assert eager_replays == 0 and replays >= 11 + 4
+    assert graph == eager
+    torch.testing.assert_close(graph_kv, eager_kv, atol=1e-4, rtol=1e-4)
