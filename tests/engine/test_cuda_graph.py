@@ -234,6 +234,33 @@ def test_steps_that_do_not_qualify_run_eagerly(tiny_llama):
     assert graphs.replays == 0 and len(step.prompt_logprobs) == 1
 
 
+def test_decode_rows_that_do_not_sample_are_left_out(tiny_llama):
+    """A one-token chunk in the middle of a prompt rides in a pure-decode step without
+    sampling: the graph runs, and only the other row's logits reach the sampler."""
+    engine = make_engine(tiny_llama, block_size=BLOCK, num_kv_blocks=64)
+    swap_runner(engine, graphs=True, max_num_seqs=4)
+    runner = engine.runner
+    done = engine.add_request("done", tokens(6, 1), SamplingParams(temperature=0.0))
+    mid = engine.add_request("mid", tokens(5, 2), SamplingParams(temperature=0.0))
+    assert engine.kv.allocate_slots(done, 6) and engine.kv.allocate_slots(mid, 5)
+    first = [ScheduledSeq(done, 5, engine.kv.block_ids("done"))]
+    with torch.inference_mode():
+        runner.run(runner.prepare(first))
+    done.num_computed_tokens = 5
+    seqs = [
+        ScheduledSeq(done, 1, engine.kv.block_ids("done")),
+        ScheduledSeq(mid, 1, engine.kv.block_ids("mid")),
+    ]
+    batch = runner.prepare(seqs)
+    assert batch.meta.num_decodes == 2 and batch.sample_requests == [done]
+    with torch.inference_mode():
+        hidden = engine.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)
+        expected = engine.model.compute_logits(hidden[:1]).argmax(-1).tolist()
+        step = runner.run(batch)
+    assert runner.graph_replays == 1
+    assert step.sampled == [done] and step.sampler.token_ids == expected
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_real_cuda_graphs_equal_eager_on_cuda(tiny_llama):
     """Real capture and replay on a GPU (float32, the reference ops and a graph-safe decode
