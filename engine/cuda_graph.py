@@ -145,7 +145,7 @@ class DecodeGraphs:
 
     def capture(self, capturer: GraphCapture) -> None:
         """Capture every size, largest first, over padding-only buffers (their K/V writes land
-        in the scratch block)."""
+        in the scratch block). Raises RuntimeError naming the size and backend that failed."""
         self._pad(0)
         backend = self.model.backend
         with torch.inference_mode():
@@ -158,7 +158,13 @@ class DecodeGraphs:
                     hidden = self.model(ids, pos, self.kv_caches, meta)
                     return self.model.compute_logits(hidden)
 
-                self.graphs[size] = capturer.capture(step)
+                try:
+                    self.graphs[size] = capturer.capture(step)
+                except Exception as e:
+                    raise RuntimeError(
+                        f"decode graphs: capturing batch size {size} with the {backend.name} "
+                        f"attention backend failed: {e}"
+                    ) from e
 
     def size_for(self, num_seqs: int) -> int | None:
         """The smallest captured size that holds ``num_seqs`` rows, or None."""

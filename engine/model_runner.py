@@ -7,6 +7,7 @@ business and arrives here as explicit block id lists.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,8 @@ from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, TokenLogprobs, token_logprobs
+
+logger = logging.getLogger(__name__)
 
 # Rows of prompt logits computed at once: 256 x a 49k vocabulary is 50 MB of float32.
 PROMPT_LOGITS_ROWS = 256
@@ -110,7 +113,7 @@ class ModelRunner:
         ]
         self.graphs: DecodeGraphs | None = None
         if capture is not None:
-            self.graphs = DecodeGraphs(
+            graphs = DecodeGraphs(
                 model,
                 self.kv_caches,
                 graph_sizes(max_num_seqs),
@@ -119,7 +122,13 @@ class ModelRunner:
                 scratch_block=num_blocks,
                 device=device,
             )
-            self.graphs.capture(capture)
+            try:
+                graphs.capture(capture)
+            except RuntimeError:
+                # Serving eagerly beats not serving; the traceback says what to fix.
+                logger.exception("decode graphs are off: every step runs eagerly")
+            else:
+                self.graphs = graphs
 
     @property
     def graph_replays(self) -> int:

@@ -261,6 +261,24 @@ def test_decode_rows_that_do_not_sample_are_left_out(tiny_llama):
     assert step.sampled == [done] and step.sampler.token_ids == expected
 
 
+class FailingCapture:
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Captured:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_is_logged_and_the_engine_runs_eagerly(tiny_llama, caplog):
+    engine = make_engine(tiny_llama, block_size=BLOCK, num_kv_blocks=32)
+    expected = generate(engine, [tokens(6, 4)], max_tokens=3)
+    engine = make_engine(tiny_llama, block_size=BLOCK, num_kv_blocks=32)
+    with caplog.at_level("ERROR", logger="engine.model_runner"):
+        swap_runner(engine, graphs=True, capture=FailingCapture())
+    assert engine.runner.graphs is None
+    assert "decode graphs are off" in caplog.text
+    assert "capturing batch size 4 with the torch attention backend failed" in caplog.text
+    assert generate(engine, [tokens(6, 4)], max_tokens=3) == expected
+    assert engine.runner.graph_replays == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_real_cuda_graphs_equal_eager_on_cuda(tiny_llama):
     """Real capture and replay on a GPU (float32, the reference ops and a graph-safe decode
