@@ -173,21 +173,31 @@ class DecodeGraphs:
                 return size
         return None
 
+    def qualifies(self, meta: AttentionMetadata) -> bool:
+        """Whether a graph runs the step laid out by ``meta``: every sequence decodes, and no
+        more of them than the largest graph holds."""
+        n = meta.num_seqs
+        size = self.size_for(n)
+        return (
+            n > 0
+            and meta.num_decodes == n == meta.num_tokens
+            and size is not None
+            and size in self.graphs
+            and meta.block_tables.shape[1] <= self.max_blocks_per_seq
+        )
+
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor | None:
         """The logits ``[num_seqs, vocab]`` of a pure-decode step (a view of the graph's static
-        output, valid until the next replay), or None when the step does not qualify: not every
-        sequence decodes, or more sequences than the largest graph holds."""
+        output, valid until the next replay), or None when the step does not ``qualify``. Reads
+        no plan of ``meta``: the graph prepares its own."""
+        if not self.qualifies(meta):
+            return None
         n = meta.num_seqs
-        if n == 0 or meta.num_decodes != n or meta.num_tokens != n:
-            return None
         size = self.size_for(n)
-        if size is None or size not in self.graphs:
-            return None
+        assert size is not None
         width = meta.block_tables.shape[1]
-        if width > self.max_blocks_per_seq:
-            return None
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)

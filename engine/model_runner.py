@@ -213,8 +213,7 @@ class ModelRunner:
             query_start_loc_list=qsl,
             seq_lens_list=seq_lens,
         )
-        self.backend.prepare(meta)
-        return BatchInputs(
+        batch = BatchInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev),
             positions=positions.to(dev),
             meta=meta,
@@ -222,6 +221,20 @@ class ModelRunner:
             sample_requests=sample_requests,
             prompt_rows=prompt_rows,
             pending=pending,
+        )
+        # A graph replay prepares its own static metadata.
+        if not self._replays(batch):
+            self.backend.prepare(meta)
+        return batch
+
+    def _replays(self, batch: BatchInputs) -> bool:
+        """Whether ``run`` replays a decode graph for ``batch``: it qualifies, samples, and
+        needs no prompt row's hidden state."""
+        return (
+            self.graphs is not None
+            and bool(batch.sample_requests)
+            and not batch.prompt_rows
+            and self.graphs.qualifies(batch.meta)
         )
 
     @torch.inference_mode()
@@ -234,13 +247,14 @@ class ModelRunner:
     def run(self, batch: BatchInputs) -> StepOutput:
         """``execute`` of a batch already prepared (every pending token filled in)."""
         assert not batch.pending, "fill_pending() first"
-        if self.graphs is not None and batch.sample_requests and not batch.prompt_rows:
+        if self._replays(batch):
+            assert self.graphs is not None
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
-            if logits is not None:
-                if len(batch.sample_requests) < logits.shape[0]:
-                    logits = logits[batch.logits_indices]
-                sampled = self.sampler(logits, batch.sample_requests)
-                return StepOutput(batch.sample_requests, sampled, [])
+            assert logits is not None
+            if len(batch.sample_requests) < logits.shape[0]:
+                logits = logits[batch.logits_indices]
+            sampled = self.sampler(logits, batch.sample_requests)
+            return StepOutput(batch.sample_requests, sampled, [])
         # Prompt logprobs read every prompt row's hidden state; otherwise, where a prompt chunk
         # samples fewer rows than it computes, only the sampled rows go through the last layer.
         sampled = batch.logits_indices

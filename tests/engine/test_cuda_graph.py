@@ -190,6 +190,9 @@ def test_logits_equal_eager_for_each_padded_size(tiny_llama):
         for r in requests[:n]:
             r.num_computed_tokens = r.num_prompt_tokens - 1
         batch = runner.prepare(seqs)
+        # A step that replays a graph leaves the eager metadata unprepared.
+        assert batch.meta.plan is None
+        engine.model.backend.prepare(batch.meta)
         with torch.inference_mode():
             hidden = engine.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)
             eager = engine.model.compute_logits(hidden)
@@ -253,6 +256,8 @@ def test_decode_rows_that_do_not_sample_are_left_out(tiny_llama):
     ]
     batch = runner.prepare(seqs)
     assert batch.meta.num_decodes == 2 and batch.sample_requests == [done]
+    assert batch.meta.plan is None
+    engine.model.backend.prepare(batch.meta)
     with torch.inference_mode():
         hidden = engine.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)
         expected = engine.model.compute_logits(hidden[:1]).argmax(-1).tolist()
