@@ -1,6 +1,7 @@
-"""Decode graphs (``engine.cuda_graph``) on CPU: the capture is replaced by one that reruns the
-captured function into the same static output, so padding, the static buffers, the scratch
-block and which steps qualify are checked here; real CUDA capture runs in tests/engine/test_cuda.py.
+"""Decode graphs (``engine.cuda_graph``). On CPU the capture is replaced by one that reruns
+the captured function into the same static output, so padding, the static buffers, the scratch
+block and which steps qualify are checked here; the last test captures real CUDA graphs where a
+GPU is present.
 """
 
 from __future__ import annotations
