@@ -67,6 +67,10 @@ class EngineConfig:
     # (engine.step_pipeline); outputs are the same as without it. Off: on a 2-core CPU, whose
     # forward already keeps both cores busy, it measured no faster (docs/performance.md).
     async_scheduling: bool = False
+    # vLLM's name: True runs every step eagerly. False (default): on CUDA, with an attention
+    # backend that supports CUDA graphs, pure-decode steps replay graphs captured at start-up
+    # (engine.cuda_graph). No effect on CPU.
+    enforce_eager: bool = False
     seed: int = 0
     # Salt of the chained block hashes; defaults to the resolved model name, so that two models'
     # hashes never collide in a router or a shared KV directory.

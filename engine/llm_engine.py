@@ -18,6 +18,7 @@ from engine.attention import backend_for_model, select_backend
 from engine.block_hash import BlockHash, hash_key, hash_root
 from engine.config import EngineConfig
 from engine.cpuinfo import cpu_has_bf16
+from engine.cuda_graph import CudaGraphCapture, use_cuda_graphs
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.kv_connector import KVConnector
@@ -192,6 +193,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.sampler = Sampler(config.seed)
+        graphs = None
+        if use_cuda_graphs(self.device, backend, config.enforce_eager):
+            graphs = CudaGraphCapture(self.device)
         self.runner = ModelRunner(
             self.model,
             self.model_cfg,
@@ -201,6 +205,9 @@ class LLMEngine:
             self.device,
             self.dtype,
             self.sampler,
+            capture=graphs,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
         self.stats = EngineStats(num_blocks=num_blocks)
         # An external KV store (engine.kv_connector); set before the engine thread starts.
@@ -211,13 +218,15 @@ class LLMEngine:
         self._pipeline = StepPipeline(self) if config.async_scheduling else None
         self._update_gauges()
         logger.info(
-            "engine ready: %s (%s %s, %s, forward=%s, attention=%s), %d KV blocks of %d tokens",
+            "engine ready: %s (%s %s, %s, forward=%s, attention=%s, decode graphs=%s), "
+            "%d KV blocks of %d tokens",
             self.model_dir,
             self.model_cfg.model_type,
             self.device,
             self.dtype,
             self.model.forward_path(),
             backend.name,
+            self.runner.graphs.sizes if self.runner.graphs is not None else "off",
             num_blocks,
             config.block_size,
         )

@@ -7,15 +7,19 @@ business and arrives here as explicit block id lists.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.cuda_graph import DecodeGraphs, GraphCapture, graph_sizes
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, TokenLogprobs, token_logprobs
+
+logger = logging.getLogger(__name__)
 
 # Rows of prompt logits computed at once: 256 x a 49k vocabulary is 50 MB of float32.
 PROMPT_LOGITS_ROWS = 256
@@ -83,7 +87,14 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         sampler: Sampler,
+        capture: GraphCapture | None = None,
+        max_num_seqs: int = 1,
+        max_model_len: int = 1,
     ) -> None:
+        """With ``capture``, pure-decode steps of up to ``max_num_seqs`` sequences replay graphs
+        captured here (``engine.cuda_graph``); the cache then holds one block more than
+        ``num_blocks``, the padding rows' scratch block (index ``num_blocks``), which the block
+        pool, sized ``num_blocks``, never hands out."""
         self.model = model
         self.cfg = model_cfg
         self.backend = backend
@@ -91,7 +102,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.sampler = sampler
-        shape = (num_blocks, block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        scratch = 1 if capture is not None else 0
+        shape = (num_blocks + scratch, block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=dtype, device=device),
@@ -99,6 +111,29 @@ class ModelRunner:
             )
             for _ in range(model_cfg.num_layers)
         ]
+        self.graphs: DecodeGraphs | None = None
+        if capture is not None:
+            graphs = DecodeGraphs(
+                model,
+                self.kv_caches,
+                graph_sizes(max_num_seqs),
+                block_size,
+                max_model_len,
+                scratch_block=num_blocks,
+                device=device,
+            )
+            try:
+                graphs.capture(capture)
+            except RuntimeError:
+                # Serving eagerly beats not serving; the traceback says what to fix.
+                logger.exception("decode graphs are off: every step runs eagerly")
+            else:
+                self.graphs = graphs
+
+    @property
+    def graph_replays(self) -> int:
+        """Decode steps that replayed a captured graph so far."""
+        return self.graphs.replays if self.graphs is not None else 0
 
     def prepare(self, seqs: list[ScheduledSeq]) -> BatchInputs:
         """Order decodes first and build every per-step tensor once. A request's newest tokens
@@ -178,8 +213,7 @@ class ModelRunner:
             query_start_loc_list=qsl,
             seq_lens_list=seq_lens,
         )
-        self.backend.prepare(meta)
-        return BatchInputs(
+        batch = BatchInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev),
             positions=positions.to(dev),
             meta=meta,
@@ -187,6 +221,20 @@ class ModelRunner:
             sample_requests=sample_requests,
             prompt_rows=prompt_rows,
             pending=pending,
+        )
+        # A graph replay prepares its own static metadata.
+        if not self._replays(batch):
+            self.backend.prepare(meta)
+        return batch
+
+    def _replays(self, batch: BatchInputs) -> bool:
+        """Whether ``run`` replays a decode graph for ``batch``: it qualifies, samples, and
+        needs no prompt row's hidden state."""
+        return (
+            self.graphs is not None
+            and bool(batch.sample_requests)
+            and not batch.prompt_rows
+            and self.graphs.qualifies(batch.meta)
         )
 
     @torch.inference_mode()
@@ -199,6 +247,14 @@ class ModelRunner:
     def run(self, batch: BatchInputs) -> StepOutput:
         """``execute`` of a batch already prepared (every pending token filled in)."""
         assert not batch.pending, "fill_pending() first"
+        if self._replays(batch):
+            assert self.graphs is not None
+            logits = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+            assert logits is not None
+            if len(batch.sample_requests) < logits.shape[0]:
+                logits = logits[batch.logits_indices]
+            sampled = self.sampler(logits, batch.sample_requests)
+            return StepOutput(batch.sample_requests, sampled, [])
         # Prompt logprobs read every prompt row's hidden state; otherwise, where a prompt chunk
         # samples fewer rows than it computes, only the sampled rows go through the last layer.
         sampled = batch.logits_indices

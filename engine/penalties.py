@@ -3,7 +3,8 @@
 Applied to float32 logits before stop-token suppression and sampling, in the order
 ``SamplingParams`` documents (the order of transformers' logits processors): ``logit_bias``,
 ``repetition_penalty`` over prompt and output tokens, then ``frequency_penalty`` and
-``presence_penalty`` over output tokens only (OpenAI's definition). Only the rows of requests
+``presence_penalty`` over output tokens only (OpenAI's definition), on the logits' device (the
+index and value tensors are built on the CPU and moved there). Only the rows of requests
 that ask for one are touched; the counts are rebuilt each step from the requests' token lists,
 so nothing here has state to keep in step with preemption or aborts.
 """
@@ -41,13 +42,15 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
         index = np.concatenate([t + i * vocab for i, (t, _) in zip(biased, arrays, strict=True)])
         values = np.concatenate([v for _, v in arrays])
         keep = tokens < vocab
-        flat[torch.from_numpy(index[keep])] += torch.from_numpy(values[keep]).to(out.dtype)
+        bias = torch.from_numpy(values[keep]).to(device=out.device, dtype=out.dtype)
+        flat[torch.from_numpy(index[keep]).to(out.device)] += bias
 
     repeated = [i for i in rows if requests[i].sampling_params.repetition_penalty != 1.0]
     if repeated:
         which, tokens, _ = distinct_tokens([requests[i].all_token_ids for i in repeated], vocab)
         penalty = _per_row(requests, repeated, "repetition_penalty", out.dtype)[which]
-        index = torch.tensor(repeated)[which] * vocab + tokens
+        index = (torch.tensor(repeated)[which] * vocab + tokens).to(out.device)
+        penalty = penalty.to(out.device)
         seen = flat[index]
         flat[index] = torch.where(seen > 0, seen / penalty, seen * penalty)
 
@@ -66,8 +69,8 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
         )
         frequency = _per_row(requests, counted, "frequency_penalty", out.dtype)[which]
         presence = _per_row(requests, counted, "presence_penalty", out.dtype)[which]
-        index = torch.tensor(counted)[which] * vocab + tokens
-        flat[index] -= frequency * counts.to(out.dtype) + presence
+        index = (torch.tensor(counted)[which] * vocab + tokens).to(out.device)
+        flat[index] -= (frequency * counts.to(out.dtype) + presence).to(out.device)
     return out
 
 

@@ -5,6 +5,11 @@ Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), whic
 from ``p`` and lets a seeded request draw its noise from its own generator, so its tokens do not
 depend on what else shares the batch. Logprobs are those of the model's raw distribution (before
 penalties, temperature and filters), as OpenAI and vLLM report them.
+
+Everything runs on the logits' device; the only copies to the host are the sampled ids and the
+logprob values asked for. Seeded requests draw their noise from their own CPU generator (the
+same noise on every device), moved to the device row by row; on a non-CPU device the other rows
+draw theirs from one device generator seeded with the engine's seed.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from engine.penalties import apply_penalties
 from engine.request import Request
 from engine.structured_output import apply_token_masks
 
-__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "token_logprobs"]
+__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "device_noise", "token_logprobs"]
 
 
 @dataclass
@@ -51,7 +56,10 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
+        # Per non-CPU device, the generator of unseeded rows' noise (made on first use).
+        self.device_generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """``logits [S, V]`` (any float dtype), one row per request, in the same order. Rows of
@@ -63,15 +71,15 @@ class Sampler:
             if any(r.sampling_params.logprobs is not None for r in requests):
                 logits = logits.clone()
             apply_token_masks(logits, constrained, [requests[i].grammar for i in constrained])
-        if self._plain_greedy(requests) and logits.device.type == "cpu":
+        if self._plain_greedy(requests):
             # Greedy without logprobs, penalties or banned tokens: the argmax of the model-dtype
             # logits is the argmax of their float32 copy (the conversion is exact): no copy.
-            tokens = native.argmax_rows(logits)
+            if logits.device.type == "cpu":
+                tokens = native.argmax_rows(logits)
+            else:
+                tokens = logits.argmax(dim=-1)
             return SamplerOutput(tokens.tolist(), [None] * len(requests))
         logits = logits.float()
-        if logits.device.type != "cpu":
-            logits = logits.cpu()
-            unmasked = unmasked.cpu()
         params = [r.sampling_params for r in requests]
         raw = logits if unmasked is logits else unmasked.float()
         logits = self._suppress_stops(apply_penalties(logits, requests), requests)
@@ -126,9 +134,10 @@ class Sampler:
         self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]
     ) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
+        dev = logits.device
         greedy_tokens = logits.argmax(dim=-1)
         temps = torch.tensor(
-            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], device=dev
         )
         x = logits / temps[:, None]
 
@@ -137,12 +146,12 @@ class Sampler:
         if any(k < vocab for k in top_ks):
             kmax = max(top_ks)
             kth = x.topk(kmax, dim=-1).values
-            idx = torch.tensor(top_ks)[:, None] - 1
+            idx = torch.tensor(top_ks, device=dev)[:, None] - 1
             threshold = kth.gather(1, idx)
             x = x.masked_fill(x < threshold, float("-inf"))
 
-        top_ps = torch.tensor([p.top_p for p in params])
-        if (top_ps < 1.0).any():
+        if any(p.top_p < 1.0 for p in params):
+            top_ps = torch.tensor([p.top_p for p in params], device=dev)
             sorted_x, order = x.sort(dim=-1, descending=True)
             probs = sorted_x.softmax(dim=-1)
             # Drop a token once the mass before it already reaches top_p (the first always stays).
@@ -151,15 +160,43 @@ class Sampler:
             x = torch.empty_like(x).scatter_(1, order, sorted_x)
 
         probs = x.softmax(dim=-1)
-        min_ps = torch.tensor([p.min_p for p in params])
-        if (min_ps > 0).any():
+        if any(p.min_p > 0 for p in params):
+            min_ps = torch.tensor([p.min_p for p in params], device=dev)
             # The most likely token always stays (its probability is the maximum).
             floor = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
             probs = probs.masked_fill(probs < floor, 0.0)
-        noise = torch.empty_like(probs)
-        for i, r in enumerate(requests):
-            gen = r.generator if r.generator is not None else self.generator
-            noise[i].exponential_(generator=gen)
-        tokens = (probs / noise).argmax(dim=-1)
-        greedy_mask = torch.tensor(greedy)
+        tokens = (probs / self._noise(probs, requests)).argmax(dim=-1)
+        greedy_mask = torch.tensor(greedy, device=dev)
         return torch.where(greedy_mask, greedy_tokens, tokens)
+
+    def _noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Exp(1) noise shaped like ``probs``, one row per request."""
+        if probs.device.type == "cpu":
+            noise = torch.empty_like(probs)
+            for i, r in enumerate(requests):
+                gen = r.generator if r.generator is not None else self.generator
+                noise[i].exponential_(generator=gen)
+            return noise
+        return device_noise(probs, requests, self._device_generator(probs.device))
+
+    def _device_generator(self, device: torch.device) -> torch.Generator:
+        gen = self.device_generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device).manual_seed(self.seed)
+            self.device_generators[device] = gen
+        return gen
+
+
+def device_noise(
+    probs: torch.Tensor, requests: list[Request], generator: torch.Generator
+) -> torch.Tensor:
+    """Exp(1) noise shaped like ``probs`` (on its device): every row from ``generator`` (of
+    that device), then each seeded request's row replaced by one drawn from its own CPU
+    generator, so that its tokens do not depend on the device's stream or its batch."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for i, r in enumerate(requests):
+        if r.generator is not None:
+            row = torch.empty(probs.shape[1], dtype=probs.dtype)
+            row.exponential_(generator=r.generator)
+            noise[i].copy_(row, non_blocking=True)
+    return noise

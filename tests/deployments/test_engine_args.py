@@ -78,6 +78,7 @@ def test_engine_config_carries_every_engine_arg_and_the_top_level_ones() -> None
         "watermark": 0.1,
         "adaptive_watermark": False,
         "async_scheduling": True,
+        "enforce_eager": True,
         "attention_backend": "torch",
         "num_threads": 3,
         "seed": 7,

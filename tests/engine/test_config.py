@@ -39,6 +39,7 @@ from engine.config import EngineConfig
         ("tokenizer", 3),
         ("enable_prefix_caching", "yes"),
         ("async_scheduling", 1),
+        ("enforce_eager", "no"),
     ],
 )
 def test_bad_values_name_their_field(field, value):
