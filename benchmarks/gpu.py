@@ -11,7 +11,7 @@ hub, no tokenizer: prompts are token ids. Workloads, all greedy with every seque
 exactly ``max_tokens`` tokens (``ignore_eos``; ``min_new_tokens`` for transformers):
 
 * ``w1``: ``benchmarks.engine_workloads.w1``, 64 prompts of 64-128 tokens, 128 output tokens;
-* ``long``: 16 prompts of 4096 tokens, 256 output tokens (decode over long contexts).
+* ``long``: 16 prompts of 4096 tokens, 128 output tokens (decode over long contexts).
 
 Per engine run: output tokens/s of the whole run, and ms per decode step as ``(t(N) - t(1)) /
 (N - 1)`` (a run to N tokens minus a run to 1 token: the prefill and one step cancel), plus the
@@ -62,7 +62,7 @@ def workloads(vocab_size: int, quick: bool) -> list[Workload]:
         long_n, long_len, long_out = 4, 2048, 64
     else:
         w1 = wl.w1()
-        long_n, long_len, long_out = 16, 4096, 256
+        long_n, long_len, long_out = 16, 4096, 128
     rng = random.Random(4)
     lo = min(wl.LOW_TOKEN, vocab_size // 4)
     long_prompts = [[rng.randrange(lo, vocab_size) for _ in range(long_len)] for _ in range(long_n)]
