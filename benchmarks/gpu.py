@@ -31,6 +31,7 @@ import random
 import statistics
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,21 +265,33 @@ def measure_workload(
     rows: list[dict[str, Any]] = []
     kernels = None
     for mode, eager in modes:
-        llm = make_llm(model_dir, args, eager, kv_blocks_for(work))
-        row = {"workload": work.name, "engine": f"ours-{mode}", **run_ours(llm, work, args)}
-        if launch is not None and mode == "eager":
-            kernels = kernels_per_decode_step(llm, work)
-        del llm
+        row: dict[str, Any] = {"workload": work.name, "engine": f"ours-{mode}"}
+        try:
+            llm = make_llm(model_dir, args, eager, kv_blocks_for(work))
+            row |= run_ours(llm, work, args)
+            if launch is not None and mode == "eager":
+                kernels = kernels_per_decode_step(llm, work)
+            del llm
+        except Exception as exc:  # one failed measurement must not lose the others
+            traceback.print_exc()
+            row["error"] = repr(exc)
         free_memory(args.device)
         rows.append(row)
         print(json.dumps(row))
-    hf = None
+    hf: dict[str, Any] | None = None
     if not args.skip_hf:
-        hf = {"workload": work.name, "engine": "transformers", **run_hf(model_dir, work, args)}
+        hf = {"workload": work.name, "engine": "transformers"}
+        try:
+            hf |= run_hf(model_dir, work, args)
+        except Exception as exc:
+            traceback.print_exc()
+            hf["error"] = repr(exc)
         free_memory(args.device)
         print(json.dumps(hf))
     contexts = mean_contexts([len(p) for p in work.prompts], work.max_tokens)
     for row, (mode, _) in zip(rows, modes, strict=True):
+        if "tok_s" not in row:
+            continue
         launch_us = launch["graph_us" if mode == "graphs" else "eager_us"] if launch else None
         floor = decode_step_floor(shape, args.dtype, contexts, bandwidth, kernels, launch_us)
         row |= {
@@ -289,7 +302,7 @@ def measure_workload(
             "floor_weight_MB": round(floor.weight_bytes / 1e6, 1),
             "floor_kv_MB": round(floor.kv_bytes / 1e6, 1),
         }
-        if hf is not None:
+        if hf is not None and "tok_s" in hf:
             row["x_transformers"] = round(row["tok_s"] / hf["tok_s"], 2)
     return rows + ([hf] if hf else [])
 
@@ -354,7 +367,8 @@ def print_table(out: dict[str, Any]) -> None:
     print("  ".join(h.rjust(w) for h, (_, w) in zip(heads, cols, strict=True)))
     for row in out["results"]:
         cells = [str(row.get(k, "")) if row.get(k) is not None else "-" for k, _ in cols]
-        print("  ".join(c.rjust(w) for c, (_, w) in zip(cells, cols, strict=True)))
+        line = "  ".join(c.rjust(w) for c, (_, w) in zip(cells, cols, strict=True))
+        print(line + (f"  FAILED: {row['error']}" if "error" in row else ""))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
