@@ -13,9 +13,10 @@ exactly ``max_tokens`` tokens (``ignore_eos``; ``min_new_tokens`` for transforme
 * ``w1``: ``benchmarks.engine_workloads.w1``, 64 prompts of 64-128 tokens, 128 output tokens;
 * ``long``: 16 prompts of 4096 tokens, 128 output tokens (decode over long contexts).
 
-Per engine run: output tokens/s of the whole run, and ms per decode step as ``(t(N) - t(1)) /
-(N - 1)`` (a run to N tokens minus a run to 1 token: the prefill and one step cancel), plus the
-engine's own moving average of the time between decode steps. transformers runs the same prompts
+Per engine run: output tokens/s of the whole run, and ms per decode step as ``(t(N) - t(N/2)) /
+(N/2)`` (a run to N tokens minus a run to N/2: the prefill, and the first steps where decodes
+share steps with other prompts' prefill chunks, cancel), plus the engine's own moving average of
+the time between decode steps. transformers runs the same prompts
 as one left-padded batch. Each measurement is the median of ``--repeat`` runs after a warm-up.
 The floor (``gpu_model.decode_step_floor``) uses the bandwidth of a large device-to-device copy
 and the launch cost of one tiny kernel (eager, and replayed inside a CUDA graph) times the kernels
@@ -169,12 +170,13 @@ def run_ours(llm: Any, work: Workload, args: argparse.Namespace) -> dict[str, An
     run(work.max_tokens)  # warm-up: every batch shape of this workload
     full = median_of(lambda: run(work.max_tokens), args.device, args.repeat)
     engine_step_s = llm.engine.stats.decode_step_s
-    first = median_of(lambda: run(1), args.device, args.repeat)
+    half = work.max_tokens // 2
+    first_half = median_of(lambda: run(half), args.device, args.repeat)
     runner = llm.engine.runner
     return {
         "tok_s": round(work.num_output_tokens / full, 1),
         "seconds": round(full, 3),
-        "decode_ms_per_step": round((full - first) / (work.max_tokens - 1) * 1e3, 3),
+        "decode_ms_per_step": round((full - first_half) / (work.max_tokens - half) * 1e3, 3),
         "engine_decode_step_ms": round(engine_step_s * 1e3, 3) if engine_step_s else None,
         "graph_replays": getattr(runner, "graph_replays", None),
     }
