@@ -2,16 +2,16 @@
 
 Only meaningful where a GPU is present (CI has none), so the module is gated on
 ``torch.cuda.is_available()``. Run it with ``-s``: every comparison prints one summary line
-(tokens equal, and each first divergence with both sides' top-2 there), which is what a failing
-run leaves to read.
+(tokens equal, and each first divergence with how far each side ranked the other's choice below
+its own there), which is what a failing run leaves to read.
 
 Half-precision runs of two implementations may part at a near tie: kernels that sum in another
 order round differently, and greedy decoding then follows another path. So comparisons count
 tokens equal position-wise up to each sequence's first divergence (the rest counts as
-different), need 95% of them, and need every first divergence to be a near tie. Between two
-engines: each engine's choice is in the other's top 2 there (both computed on the same tokens).
-Against transformers: float32 transformers, fed the prompt and the tokens both sides agreed on,
-ranks both choices as its top two, less than 2% of its logit range apart.
+different), need 95% of them, and need every first divergence to be a near tie: both choices
+within 2% (fp16; 5% in bf16) of the logit range (max - min, float32 transformers' at that step) below the top
+choice. Between two engines, each engine's own logprobs judge the other's choice (both computed
+on the same tokens); against transformers, float32 transformers' logits judge both.
 
 bf16 keeps 8 bits of mantissa: on these random models (flat next-token distributions) about one
 greedy step in a hundred is a near tie that bf16 rounding may flip, and a flip at step 1 costs a
@@ -30,16 +30,18 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, TokenLogprobs
 from tests.helpers import hf_greedy, make_tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 MAX_NEW = 16
 MIN_EQUAL_FRACTION = 0.95
-# A first divergence is explained when float32 transformers puts both choices in its top 2 with
-# a margin under this fraction of its logit range (max - min over the vocabulary).
-NEAR_TIE_FRACTION = 0.02
+# A first divergence is a near tie when both choices score within this fraction of the logit
+# range (max - min over the vocabulary, float32 transformers') below the top choice. bf16 rounds
+# 8x coarser than fp16: on CPU, bf16 against float32 put choices up to 2.4% of the range apart
+# on these models. A wrong kernel picks tokens tens of percent below the top.
+NEAR_TIE_FRACTION = {"float16": 0.02, "bfloat16": 0.05}
 BACKENDS = ["torch", "flash"]
 
 
@@ -97,7 +99,7 @@ def generate(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_NEW) -> l
 
 
 def generate_outputs(
-    llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_NEW, logprobs: int | None = 2
+    llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_NEW, logprobs: int | None = 5
 ) -> list[RequestOutput]:
     """Greedy outputs, each token with the engine's top-``logprobs`` at its step."""
     outs = llm.generate(prompts, greedy(max_tokens, logprobs))
@@ -133,23 +135,36 @@ def first_divergence(got: list[int], ref: list[int]) -> int:
 
 
 @torch.no_grad()
-def fp32_top2(hf_model, ids: list[int]) -> tuple[list[int], float, float]:
-    """float32 transformers' two most likely next tokens after ``ids``, their logit margin and
-    the logit range at that step."""
-    logits = hf_model(torch.tensor([ids], device="cuda")).logits[0, -1].float()
-    top = torch.topk(logits, 2)
-    margin = float(top.values[0] - top.values[1])
-    return top.indices.tolist(), margin, float(logits.max() - logits.min())
+def fp32_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    """float32 transformers' next-token logits after ``ids``."""
+    return hf_model(torch.tensor([ids], device="cuda")).logits[0, -1].float()
 
 
-def fp32_view(hf_model, ids: list[int], got: int, ref: int) -> tuple[bool, str]:
-    """Whether float32 transformers sees a near tie between ``got`` and ``ref`` after ``ids``."""
-    top2, margin, spread = fp32_top2(hf_model, ids)
-    tie = {got, ref} <= set(top2) and margin < NEAR_TIE_FRACTION * spread
-    return (
-        tie,
-        f"fp32 top-2 {top2} margin {margin:.4f} = {margin / spread:.2%} of range {spread:.1f}",
+def logit_range(logits: torch.Tensor) -> float:
+    return float(logits.max() - logits.min())
+
+
+def fp32_view(
+    hf_model, ids: list[int], got: int, ref: int, dtype: str = "float16"
+) -> tuple[bool, str]:
+    """Whether float32 transformers, after ``ids``, puts both ``got`` and ``ref`` within
+    ``NEAR_TIE_FRACTION[dtype]`` of its logit range below its top logit."""
+    logits = fp32_logits(hf_model, ids)
+    spread = logit_range(logits)
+    top = float(logits.max())
+    gaps = [top - float(logits[t]) for t in (got, ref)]
+    tie = max(gaps) < NEAR_TIE_FRACTION[dtype] * spread
+    detail = (
+        f"fp32 top-3 {torch.topk(logits, 3).indices.tolist()}, gaps below its top "
+        f"{gaps[0]:.4f} / {gaps[1]:.4f} ({max(gaps) / spread:.2%} of range {spread:.1f})"
     )
+    return tie, detail
+
+
+def gap_below_top(entry: TokenLogprobs, token: int) -> float | None:
+    """How far below its top choice one engine's step put ``token`` (None: not in its top k)."""
+    scores = dict(entry.top)
+    return entry.top[0][1] - scores[token] if token in scores else None
 
 
 def report(label: str, equal: int, total: int, divergences: list[Divergence]) -> None:
@@ -164,10 +179,12 @@ def compare_engines(
     prompts: list[list[int]],
     got: list[RequestOutput],
     ref: list[RequestOutput],
+    dtype: str = "float16",
     min_fraction: float = MIN_EQUAL_FRACTION,
 ) -> None:
-    """Two engines' greedy outputs (with ``logprobs=2``): tokens equal up to each first
-    divergence, and each first divergence a near tie in both engines' own top 2."""
+    """Two engines' greedy outputs (with logprobs): tokens equal up to each first divergence,
+    and at each first divergence each engine put the other's choice within
+    ``NEAR_TIE_FRACTION[dtype]`` of the logit range (float32 transformers') below its own."""
     equal, total, divergences = 0, 0, []
     for i, (prompt, g, r) in enumerate(zip(prompts, got, ref, strict=True)):
         total += len(r.token_ids)
@@ -175,13 +192,14 @@ def compare_engines(
         equal += pos
         if pos == len(r.token_ids):
             continue
-        g_top = [t for t, _ in g.logprobs[pos].top]
-        r_top = r.logprobs[pos].top
         a, b = g.token_ids[pos], r.token_ids[pos]
-        tie = a in [t for t, _ in r_top] and b in g_top
-        margin = r_top[0][1] - r_top[1][1]
-        _, fp32 = fp32_view(hf_model, prompt + r.token_ids[:pos], a, b)
-        detail = f"top-2 {g_top} vs {[t for t, _ in r_top]}, ref margin {margin:.4f}; {fp32}"
+        # Each engine's own view: how far below its top it put the other's choice.
+        gaps = (gap_below_top(r.logprobs[pos], a), gap_below_top(g.logprobs[pos], b))
+        spread = logit_range(fp32_logits(hf_model, prompt + r.token_ids[:pos]))
+        tie = all(x is not None and x < NEAR_TIE_FRACTION[dtype] * spread for x in gaps)
+        shown = ", ".join("not in top" if x is None else f"{x:.4f}" for x in gaps)
+        _, fp32 = fp32_view(hf_model, prompt + r.token_ids[:pos], a, b, dtype)
+        detail = f"gaps below each engine's top {shown}; {fp32}"
         divergences.append(Divergence(i, pos, a, b, tie, detail))
     report(label, equal, total, divergences)
     assert equal >= min_fraction * total, f"{label}: only {equal}/{total} tokens equal"
@@ -257,7 +275,7 @@ def test_flash_matches_torch_backend(gpu_llama, hf_fp32, dtype):
     if dtype == "float16":
         compare_engines(label, hf_fp32, prompts, got, ref)
     else:
-        compare_engines(label, hf_fp32, prompts, got, ref, min_fraction=0.0)
+        compare_engines(label, hf_fp32, prompts, got, ref, dtype, min_fraction=0.0)
         ref_tokens = [r.token_ids for r in ref]
         equal, total = teacher_forced_agreement(f"{label}", flash, prompts, ref_tokens)
         assert equal >= MIN_EQUAL_FRACTION * total, f"{label}: teacher-forced {equal}/{total}"
