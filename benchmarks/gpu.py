@@ -227,6 +227,14 @@ def run_hf(model_dir: Path, work: Workload, args: argparse.Namespace) -> dict[st
     return {"tok_s": round(work.num_output_tokens / seconds, 1), "seconds": round(seconds, 3)}
 
 
+_STARTED = time.perf_counter()
+
+
+def progress(row: dict[str, Any]) -> None:
+    """Print a finished measurement at once, with the seconds since the module was loaded."""
+    print(json.dumps(row | {"at_s": round(time.perf_counter() - _STARTED, 1)}), flush=True)
+
+
 def free_memory(device: str) -> None:
     gc.collect()
     if device == "cuda":
@@ -279,7 +287,7 @@ def measure_workload(
             row["error"] = repr(exc)
         free_memory(args.device)
         rows.append(row)
-        print(json.dumps(row))
+        progress(row)
     hf: dict[str, Any] | None = None
     if not args.skip_hf:
         hf = {"workload": work.name, "engine": "transformers"}
@@ -289,7 +297,7 @@ def measure_workload(
             traceback.print_exc()
             hf["error"] = repr(exc)
         free_memory(args.device)
-        print(json.dumps(hf))
+        progress(hf)
     contexts = mean_contexts([len(p) for p in work.prompts], work.max_tokens)
     for row, (mode, _) in zip(rows, modes, strict=True):
         if "tok_s" not in row:

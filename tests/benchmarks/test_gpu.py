@@ -105,3 +105,14 @@ def test_cpu_smoke_run_reports_every_row(tmp_path: Path):
         assert row["floor_ms"] == row["floor_memory_ms"] > 0
         assert row["kernels_per_step"] is None  # counted on CUDA only
     assert out["copy_bandwidth_GBps"] > 0
+
+
+def test_a_failed_measurement_is_reported_and_the_run_goes_on(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(gpu, "run_hf", broken)
+    out = gpu.main(["--device", "cpu", "--quick", "--shape", "tiny", "--workload", "w1"])
+    ours, hf = out["results"]
+    assert hf["engine"] == "transformers" and "out of memory" in hf["error"]
+    assert ours["tok_s"] > 0 and "x_transformers" not in ours
