@@ -38,9 +38,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 MAX_NEW = 16
 MIN_EQUAL_FRACTION = 0.95
 # A first divergence is a near tie when both choices score within this fraction of the logit
-# range (max - min over the vocabulary, float32 transformers') below the top choice. bf16 rounds
-# 8x coarser than fp16: on CPU, bf16 against float32 put choices up to 2.4% of the range apart
-# on these models. A wrong kernel picks tokens tens of percent below the top.
+# range (max - min over the vocabulary, float32 transformers') below the top choice; wider in
+# bf16, which rounds 8x coarser than fp16 (docs/gpu.md). A wrong kernel picks tokens tens of
+# percent of the range below the top.
 NEAR_TIE_FRACTION = {"float16": 0.02, "bfloat16": 0.05}
 BACKENDS = ["torch", "flash"]
 
