@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import tomllib
+import urllib.request
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -109,8 +110,12 @@ def parse_report(report: Mapping) -> dict[str, Resolved]:
     return out
 
 
-def resolve(extras: Iterable[str], index_url: str = PYPI, timeout: float = 240) -> dict[str, Resolved]:
-    reqs = requirements(extras)
+def resolve(
+    reqs: Iterable[str], index_url: str = PYPI, timeout: float = 240
+) -> dict[str, Resolved]:
+    """What pip would install for ``reqs`` on the target platform; :class:`ResolutionError`
+    with pip's own explanation where nothing fits."""
+    reqs = list(reqs)
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         proc = subprocess.run(
@@ -120,10 +125,19 @@ def resolve(extras: Iterable[str], index_url: str = PYPI, timeout: float = 240) 
         if proc.returncode != 0:
             errors = [line for line in proc.stderr.splitlines() if "fast-deps" not in line]
             raise ResolutionError(
-                f"pip could not resolve .[{','.join(extras)}] for CPython {PYTHON_VERSION} on "
-                f"manylinux x86-64 from {index_url}:\n" + "\n".join(errors[-40:])
+                f"pip could not resolve {reqs} for CPython {PYTHON_VERSION} on manylinux "
+                f"x86-64 from {index_url}:\n" + "\n".join(errors[-40:])
             )
         return parse_report(json.loads(report.read_text()))
+
+
+def pypi_unreachable(index_url: str = PYPI, timeout: float = 10) -> str | None:
+    """Why ``index_url`` cannot be read from here, or None when it can."""
+    try:
+        with urllib.request.urlopen(f"{index_url.rstrip('/')}/pip/", timeout=timeout):
+            return None
+    except OSError as exc:
+        return f"{index_url} is unreachable ({exc})"
 
 
 def _torch_floor_of(transformers: Resolved) -> Requirement | None:
@@ -177,14 +191,13 @@ def describe(extra: str, resolved: Mapping[str, Resolved]) -> str:
 
 
 def resolve_all(
-    extras: Iterable[str] = GPU_EXTRAS, index_url: str = PYPI
+    sets: Mapping[str, Iterable[str]], index_url: str = PYPI
 ) -> dict[str, dict[str, Resolved]]:
-    """Each extra resolved on its own, concurrently (pip spends most of its time waiting on
-    the index)."""
-    extras = list(extras)
-    with ThreadPoolExecutor(max_workers=len(extras)) as pool:
-        results = pool.map(lambda e: resolve([e], index_url), extras)
-        return dict(zip(extras, results, strict=True))
+    """Each named set of requirements resolved on its own, concurrently (pip spends most of its
+    time waiting on the index)."""
+    with ThreadPoolExecutor(max_workers=max(1, len(sets))) as pool:
+        futures = {name: pool.submit(resolve, reqs, index_url) for name, reqs in sets.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,7 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("extras", nargs="*", default=list(GPU_EXTRAS))
     args = parser.parse_args(argv)
     failed = False
-    for extra, resolved in resolve_all(args.extras, args.index_url).items():
+    sets = {extra: requirements([extra]) for extra in args.extras}
+    try:
+        resolutions = resolve_all(sets, args.index_url)
+    except ResolutionError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    for extra, resolved in resolutions.items():
         print(describe(extra, resolved))
         for problem in problems(resolved):
             print(f"  problem: {problem}")
