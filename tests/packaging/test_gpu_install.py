@@ -75,6 +75,9 @@ def test_vllm_flash_attn_extra_is_torch_24_with_a_transformers_that_enables_it(
     assert torch.version in _pinned(flash, "torch")
     # The newest transformers whose own torch floor is at most 2.4.
     assert resolved["transformers"].version >= Version("5.14"), resolved["transformers"]
+    # `dev` goes with it: the triton that torch 2.4 pins is within dev's triton range.
+    (dev_triton,) = [r for r in map(Requirement, requirements(["dev"])) if r.name == "triton"]
+    assert resolved["triton"].version in dev_triton.specifier
 
 
 def test_the_check_catches_transformers_disabling_torch_24(
