@@ -36,7 +36,8 @@ PYPI = "https://pypi.org/simple"
 GPU_EXTRAS = ("gpu", "gpu-vllm-flash-attn")
 # The image's Python (rayproject/ray:*-py311-gpu).
 PYTHON_VERSION = "3.11"
-# Ray's images are Ubuntu 22.04 (glibc 2.35); llguidance's wheels need manylinux_2_31.
+# The newest manylinux tag: glibc 2.35, Ubuntu 22.04, which Ray's images are built on (llguidance's
+# wheels need manylinux_2_31).
 GLIBC_MINOR = 35
 # pip takes --platform literally: a wheel tagged only with an older manylinux tag (or a legacy
 # alias) is a candidate only when that tag is named too.
