@@ -151,7 +151,9 @@ def test_start_up_logs_the_path_taken(case, caplog):
         LLM(model=str(model_dir), dtype="float32", num_kv_blocks=16)
     ready = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
     assert len(ready) == 1 and f"forward={path if fast else 'reference'}," in ready[0]
-    assert f"attention={'cpu' if fast and not needs_torch else 'torch'})" in ready[0]
+    attention = "cpu" if fast and not needs_torch else "torch"
+    # CUDA graphs are for decode steps on a GPU only.
+    assert f"attention={attention}, decode graphs=off)" in ready[0]
     assert ("takes the torch backend" in caplog.text) == (fast and needs_torch)
 
 
