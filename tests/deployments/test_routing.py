@@ -62,6 +62,11 @@ def base_url(serve_instance: str, tiny_llama_with_tokenizer: Path):
             "served_model_name": "tiny",
             "engine": {"dtype": "float32", "num_kv_blocks": 1024, "max_num_seqs": 16},
             "routing_policy": "prefix_aware",
+            # Reports four times a second: the router counts the prefill of requests it has no
+            # completion for until the next report, and these requests last ~50 ms, so with the
+            # default 1 s a burst of new prefixes could make a holder look busier than
+            # recomputing a prefix elsewhere.
+            "router": {"stats_period_s": 0.25},
             # Routing alone must find the cached prefixes: no imports from the other replica.
             "kv_sharing": {"enabled": False},
         },
