@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
@@ -66,13 +70,11 @@ SHAPES: dict[str, Shape] = {
 }
 
 
-def build_checkpoint(shape: Shape, path: Path, dtype: str, device: str = "cpu") -> Path:
-    """Save a random-weight Llama checkpoint of ``shape`` (config.json + safetensors, no
-    tokenizer) to ``path``; weights are drawn on ``device`` (fast on a GPU) with transformers'
-    own initialisation, saved in ``dtype``."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def llama_config(shape: Shape) -> LlamaConfig:
+    """transformers' ``LlamaConfig`` of ``shape``."""
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=shape.vocab_size,
         hidden_size=shape.hidden_size,
         num_hidden_layers=shape.num_layers,
@@ -86,9 +88,17 @@ def build_checkpoint(shape: Shape, path: Path, dtype: str, device: str = "cpu") 
         eos_token_id=2,
         pad_token_id=0,
     )
+
+
+def build_checkpoint(shape: Shape, path: Path, dtype: str, device: str = "cpu") -> Path:
+    """Save a random-weight Llama checkpoint of ``shape`` (config.json + safetensors, no
+    tokenizer) to ``path``; weights are drawn on ``device`` (fast on a GPU) with transformers'
+    own initialisation, saved in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_config(llama_config(shape), dtype=getattr(torch, dtype))
     model.save_pretrained(path)
     return path
 

@@ -14,25 +14,17 @@ from benchmarks.gpu_model import (
     SHAPES,
     build_checkpoint,
     decode_step_floor,
+    llama_config,
     mean_context_lengths,
 )
 
 
 def _meta_model(shape):
     """transformers' Llama of ``shape`` on the meta device: sizes without memory."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        intermediate_size=shape.intermediate_size,
-        tie_word_embeddings=shape.tie_word_embeddings,
-    )
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(llama_config(shape))
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))

@@ -102,10 +102,15 @@ def chi_square(counts: list[int], probs: list[float]) -> float:
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
 def test_temperature_sampling_follows_the_softmax(temperature):
+    assert_samples_tempered_softmax(Sampler(seed=7), temperature)
+
+
+def assert_samples_tempered_softmax(sampler: Sampler, temperature: float) -> None:
+    """4,000 draws from four tokens at ``temperature`` fit the tempered softmax (chi-square)."""
     probs = [0.1, 0.2, 0.3, 0.4]
     n = 4000
     logits = torch.log(torch.tensor([probs])).repeat(n, 1)
-    out = Sampler(seed=7)(logits, [req(temperature=temperature) for _ in range(n)])
+    out = sampler(logits, [req(temperature=temperature) for _ in range(n)])
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=4).tolist()
     expected = torch.softmax(torch.log(torch.tensor(probs)) / temperature, -1).tolist()
     assert chi_square(counts, expected) < CHI2_CRIT[3]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.sampler import Sampler, device_noise
-from tests.engine.test_sampler import CHI2_CRIT, chi_square, random_logits, req
+from tests.engine.test_sampler import assert_samples_tempered_softmax, random_logits, req
 
 
 def test_seeded_rows_come_from_their_own_generator():
@@ -57,15 +57,7 @@ def test_device_noise_samples_the_tempered_softmax(monkeypatch, temperature):
     monkeypatch.setattr(
         Sampler, "_noise", lambda self, probs, requests: device_noise(probs, requests, gen)
     )
-    probs = [0.1, 0.2, 0.3, 0.4]
-    n = 4000
-    logits = torch.log(torch.tensor([probs])).repeat(n, 1)
-    out = Sampler()(logits, [req(temperature=temperature) for _ in range(n)])
-    counts = torch.bincount(torch.tensor(out.token_ids), minlength=4).tolist()
-    expected = torch.softmax(torch.log(torch.tensor(probs)) / temperature, -1).tolist()
-    assert chi_square(counts, expected) < CHI2_CRIT[3]
-    if temperature != 1.0:
-        assert chi_square(counts, probs) > CHI2_CRIT[3]
+    assert_samples_tempered_softmax(Sampler(), temperature)
 
 
 def test_device_generator_is_seeded_from_the_engine_seed():
