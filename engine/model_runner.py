@@ -53,6 +53,9 @@ class BatchInputs:
     # (row of ``input_ids``, request, position): input tokens still being sampled when the batch
     # was prepared (``Request.num_inflight_tokens``); ``fill_pending`` writes them in.
     pending: list[tuple[int, Request, int]] = field(default_factory=list)
+    # Whether ``run`` replays a captured decode graph (decided once, in ``prepare``: the
+    # backend's eager plan is only made when it does not).
+    replay_graph: bool = False
 
     def fill_pending(self) -> None:
         """Write the tokens that were in flight at ``prepare`` into ``input_ids``; each must
@@ -223,7 +226,8 @@ class ModelRunner:
             pending=pending,
         )
         # A graph replay prepares its own static metadata.
-        if not self._replays(batch):
+        batch.replay_graph = self._replays(batch)
+        if not batch.replay_graph:
             self.backend.prepare(meta)
         return batch
 
@@ -247,7 +251,7 @@ class ModelRunner:
     def run(self, batch: BatchInputs) -> StepOutput:
         """``execute`` of a batch already prepared (every pending token filled in)."""
         assert not batch.pending, "fill_pending() first"
-        if self._replays(batch):
+        if batch.replay_graph:
             assert self.graphs is not None
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
             assert logits is not None

@@ -69,9 +69,11 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert chi_square(counts[:2], [0.5 / 0.8, 0.3 / 0.8]) < CHI2_CRIT[1]
 
 
-def test_seeded_request_is_reproducible_regardless_of_batch():
-    logits = random_logits(6, seed=5)
-    alone_sampler, batch_sampler = Sampler(seed=0), Sampler(seed=123)
+def seeded_alone_and_in_batches(
+    alone_sampler: Sampler, batch_sampler: Sampler, logits: torch.Tensor
+) -> tuple[list[int], list[int]]:
+    """20 steps of a seed-42 request sampled alone by one sampler and, by the other, in batches
+    of other requests at varying positions: its tokens in each."""
     alone, in_batch = req(seed=42), req(seed=42)
     others = [req(), req(temperature=0.0), req(top_k=5)]
     tokens_alone, tokens_batch = [], []
@@ -79,9 +81,16 @@ def test_seeded_request_is_reproducible_regardless_of_batch():
         row = logits[step % 6 : step % 6 + 1]
         tokens_alone += alone_sampler(row, [alone]).token_ids
         batch = others[: step % 4] + [in_batch] + others[step % 4 :]
-        rows = row.repeat(len(batch), 1)
-        out = batch_sampler(rows, batch)
+        out = batch_sampler(row.repeat(len(batch), 1), batch)
         tokens_batch.append(out.token_ids[batch.index(in_batch)])
+    return tokens_alone, tokens_batch
+
+
+def test_seeded_request_is_reproducible_regardless_of_batch():
+    logits = random_logits(6, seed=5)
+    tokens_alone, tokens_batch = seeded_alone_and_in_batches(
+        Sampler(seed=0), Sampler(seed=123), logits
+    )
     assert tokens_alone == tokens_batch
     assert len(set(tokens_alone)) > 1
     # Another seed draws another sequence.

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from engine.sampler import Sampler, device_noise
-from tests.engine.test_sampler import assert_samples_tempered_softmax, random_logits, req
+from tests.engine.test_sampler import (
+    assert_samples_tempered_softmax,
+    random_logits,
+    req,
+    seeded_alone_and_in_batches,
+)
 
 
 def test_seeded_rows_come_from_their_own_generator():
@@ -38,15 +43,7 @@ def test_seeded_request_is_reproducible_regardless_of_batch(monkeypatch):
     alone_sampler, batch_sampler = Sampler(), Sampler()
     gens[id(alone_sampler)] = torch.Generator().manual_seed(0)
     gens[id(batch_sampler)] = torch.Generator().manual_seed(99)
-    alone, in_batch = req(seed=42), req(seed=42)
-    others = [req(), req(temperature=0.0), req(top_k=5)]
-    tokens_alone, tokens_batch = [], []
-    for step in range(20):
-        row = logits[step % 6 : step % 6 + 1]
-        tokens_alone += alone_sampler(row, [alone]).token_ids
-        batch = others[: step % 4] + [in_batch] + others[step % 4 :]
-        out = batch_sampler(row.repeat(len(batch), 1), batch)
-        tokens_batch.append(out.token_ids[batch.index(in_batch)])
+    tokens_alone, tokens_batch = seeded_alone_and_in_batches(alone_sampler, batch_sampler, logits)
     assert tokens_alone == tokens_batch
     assert len(set(tokens_alone)) > 1
 
