@@ -397,7 +397,8 @@ def vllm_python(venv: Path, wait_s: float = 3600.0) -> Path:
             for pid in (int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit())
         )
         if not installing:
-            return ensure_vllm_venv(venv, sys.executable)
+            ensure_vllm_venv(venv, sys.executable)
+            break
         if time.monotonic() > deadline:
             raise TimeoutError(f"vLLM install into {venv} unfinished after {wait_s:.0f} s")
         if not announced:

