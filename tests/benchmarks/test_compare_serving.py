@@ -275,3 +275,18 @@ def test_a_fresh_vllm_install_gets_the_clients_dependencies_too(
     assert checked == [py] == [tmp_path / "bin" / "python"]
     servers.vllm_python(tmp_path)
     assert installed == [tmp_path] and len(checked) == 2
+
+
+def test_missing_tcmalloc_is_said_not_silently_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks import compare_vllm
+
+    monkeypatch.setattr(compare_vllm, "TCMALLOC_DIRS", (str(tmp_path),))
+    assert compare_vllm.find_tcmalloc("auto") is None
+    assert "libtcmalloc-minimal4" in capsys.readouterr().err
+    lib = tmp_path / compare_vllm.TCMALLOC_NAMES[0]
+    lib.write_bytes(b"")
+    assert compare_vllm.find_tcmalloc("auto") == str(lib)
+    assert capsys.readouterr().err == ""
+    assert compare_vllm.find_tcmalloc("none") is None
