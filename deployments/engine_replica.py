@@ -49,6 +49,7 @@ from deployments.stats_log import EngineStatsLog
 from deployments.stream_items import delta_item, timeout_item
 from engine.async_engine import AsyncEngine, EngineDeadError, build_on_own_thread
 from engine.block_hash import BlockHash, compute_block_hashes
+from engine.gc_heap import freeze_startup_heap
 from engine.kernels import native
 from engine.llm_engine import LLMEngine
 from router.affinity import RecentSessions
@@ -155,6 +156,8 @@ class EngineReplica:
             else EngineStatsLog(self.args.log_stats_interval_s, logger),
             registry=None if decode_side is None else lambda: self._peer_actor(REGISTRY_ACTOR),
         )
+        # What exists now lives as long as the replica: later full collections skip it.
+        freeze_startup_heap()
 
     # -- serving ---------------------------------------------------------------------------------
     @property
