@@ -73,13 +73,15 @@ def test_steps_the_native_stack_cannot_run_fall_back(tiny_llama):
 
 @needs_decode_kernel
 def test_a_prefill_chunk_runs_in_the_stack_exactly_where_the_kernel_takes_it(tiny_llama):
-    """A 100-token prompt (5,050 query-key pairs, within the decode kernels' rows): SDPA's, and
-    so the Python loop's, unless the CPU's bf16 attention tile takes every chunk; then the
-    one-call stack runs it, bit for bit the Python loop over the same kernels."""
+    """A prompt of up to 100 tokens (within the decode kernels' rows: 96 with AMX, 128 with
+    AVX512-BF16): SDPA's, and so the Python loop's, unless the CPU's bf16 attention tile takes
+    every chunk; then the one-call stack runs it, bit for bit the Python loop over the same
+    kernels."""
     llm = LLM(model=str(tiny_llama), dtype="bfloat16", max_num_batched_tokens=256)
     engine, model = llm.engine, llm.engine.model
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    engine.add_request("mid", [i % 500 + 1 for i in range(100)], params)
+    tokens = min(100, decode_max_rows())
+    engine.add_request("mid", [i % 500 + 1 for i in range(tokens)], params)
     batch = _next_batch(llm)
     assert batch.input_ids.shape[0] <= decode_max_rows()
     kv = engine.runner.kv_caches
