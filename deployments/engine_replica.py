@@ -50,6 +50,7 @@ from deployments.stream_items import delta_item, timeout_item
 from engine.async_engine import AsyncEngine, EngineDeadError, build_on_own_thread
 from engine.block_hash import BlockHash, compute_block_hashes
 from engine.gc_heap import freeze_startup_heap
+from engine.gil_handoff import shorten_switch_interval
 from engine.kernels import native
 from engine.llm_engine import LLMEngine
 from router.affinity import RecentSessions
@@ -158,6 +159,8 @@ class EngineReplica:
         )
         # What exists now lives as long as the replica: later full collections skip it.
         freeze_startup_heap()
+        # The event loop and worker threads must not keep the engine thread waiting for the GIL.
+        shorten_switch_interval()
 
     # -- serving ---------------------------------------------------------------------------------
     @property
