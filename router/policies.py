@@ -286,7 +286,7 @@ class PrefixAwarePolicy(RoutingPolicy):
                 + cfg.queued_prefill_cost_per_block * t[_QUEUED]
                 for t in terms
             ]
-            if cfg.evict_oldest and block_hashes:
+            if cfg.evict_oldest:
                 return self._evict_oldest(candidates, loads)
             home = (
                 prefix_home(block_hashes[0], candidates)
@@ -348,19 +348,20 @@ class PrefixAwarePolicy(RoutingPolicy):
     def _keep_holder(self, terms: list[tuple], keyed: list[tuple]) -> list[tuple]:
         """Move the cheapest not-hot holder of the longest match to the front when the first
         choice beats it by less than ``holder_margin_per_block`` per block of the match the
-        first choice would recompute (an import from the KV directory recomputes nothing): leaving a
+        first choice would not import from the KV directory (an import recomputes nothing): leaving a
         holder recomputes its prefix elsewhere and costs cache space there for later requests,
         which the per-request cost does not count."""
         longest = max(t[_MATCHED] for t in terms)
         first = terms[keyed[0][4]]
-        # Blocks of the holder's match the first choice would recompute (not import).
+        # None of the holder's match to recompute (the first choice holds or imports it): no
+        # margin; otherwise the margin counts every matched block it would not import.
         recomputed = longest - first[_MATCHED] - first[_TRANSFER]
         if recomputed <= 0 or first[_HOT]:
             return keyed
         for pos, k in enumerate(keyed):
             t = terms[k[4]]
             if t[_MATCHED] == longest and not t[_HOT]:
-                margin = self.config.holder_margin_per_block * recomputed
+                margin = self.config.holder_margin_per_block * (longest - first[_TRANSFER])
                 if t[_COST] - first[_COST] < margin:
                     return [k, *keyed[:pos], *keyed[pos + 1 :]]
                 return keyed
