@@ -58,7 +58,8 @@ class RouterArgs(_Strict):
     queued_prefill_cost_per_block: float = Field(0.25, ge=0)
     min_match_blocks: int = Field(1, ge=0)
     prefix_home: bool = True
-    holder_margin_per_block: float = Field(0.0, ge=0)
+    evict_oldest: bool = True
+    holder_margin_per_block: float = Field(1.0, ge=0)
     imbalance_abs: int = Field(8, ge=0)
     imbalance_rel: float = Field(2.0, ge=1)
     # Seconds a routing decision counts as cached on its replica after the request completes,

@@ -52,7 +52,7 @@ class RouterConfig:
     # Hysteresis for leaving a holder: the candidate(s) holding the longest match stay first
     # unless another (not hot) candidate's cost is lower by more than this many block-prefill
     # units per matched block. 0: the plain cost ranking.
-    holder_margin_per_block: float = 0.0
+    holder_margin_per_block: float = 1.0
     # Fewest leading blocks some replica must hold for the request before the prefix cost is used.
     min_match_blocks: int = 1
     # With a shorter best match, first try the replica every router of the deployment picks for
@@ -60,6 +60,13 @@ class RouterConfig:
     # least by more than one request's: routers that share no memory (one per proxy node) then
     # meet on one replica with a new system prompt. False: the better of two random replicas.
     prefix_home: bool = True
+    # With a shorter best match (and no session), send the prompt, among the candidates whose
+    # load cost is within one request's of the least, to the replica whose cache would evict the
+    # oldest blocks for it (``ReplicaView.eviction_key``: the fewest blocks written while caches
+    # fill, then the longest since its latest capacity's worth of writes), so the caches together
+    # evict about what one LRU cache of their total size would; ties go to the prefix home.
+    # Takes precedence over ``prefix_home``. False: ``prefix_home``, then power of two choices.
+    evict_oldest: bool = True
     # Imbalance guard: a replica is "hot" when its load exceeds the least-loaded candidate's by more
     # than imbalance_abs requests AND is more than imbalance_rel times it. Hot replicas are ranked
     # after every other one, whatever their cache holds.
@@ -109,6 +116,8 @@ class RouterConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
+        if not isinstance(self.evict_oldest, bool):
+            raise ValueError(f"evict_oldest: must be a boolean, got {self.evict_oldest!r}")
         if not isinstance(self.prefix_home, bool):
             raise ValueError(f"prefix_home: must be a boolean, got {self.prefix_home!r}")
         _check_float("imbalance_rel", self.imbalance_rel, minimum=1.0)

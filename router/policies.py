@@ -184,7 +184,7 @@ class CandidateScore:
 
 
 # Indices into the per-candidate term tuples (the hot path builds no objects).
-_MATCHED, _LOAD, _QUEUED, _COST, _HOT, _REPLICATE, _SESSION = 1, 4, 5, 6, 7, 8, 9
+_MATCHED, _TRANSFER, _LOAD, _QUEUED, _COST, _HOT, _REPLICATE, _SESSION = 1, 2, 4, 5, 6, 7, 8, 9
 
 
 class PrefixAwarePolicy(RoutingPolicy):
@@ -286,6 +286,8 @@ class PrefixAwarePolicy(RoutingPolicy):
                 + cfg.queued_prefill_cost_per_block * t[_QUEUED]
                 for t in terms
             ]
+            if cfg.evict_oldest:
+                return self._evict_oldest(candidates, loads)
             home = (
                 prefix_home(block_hashes[0], candidates)
                 if block_hashes and cfg.prefix_home
@@ -322,19 +324,44 @@ class PrefixAwarePolicy(RoutingPolicy):
             self._count("prefix")
         return [[terms[k[4]][0]] for k in keyed]
 
+    def _evict_oldest(self, candidates: Sequence[str], loads: Sequence[float]) -> Ranks:
+        """A prompt nobody holds, among the candidates whose load cost is within one request's
+        of the least: to the one whose cache would evict the oldest blocks (the first not yet
+        full, the fewest blocks written first; then the earliest ``eviction_horizon``), so the
+        replicas' caches together forget what one cache of their total size would. The order
+        comes from the replicas' reports alone, so every router of a deployment agrees on it, as
+        on a ``prefix_home``. Ties go to the less loaded, then to the least replica id (not the
+        candidates' order, which may differ between routers); the rest follow by load. Draws no
+        random number."""
+        cfg = self.config
+        slack = min(loads) + cfg.load_cost_per_request
+        eligible = [
+            (self.state.view(r).eviction_key(), loads[k], r, k)
+            for k, r in enumerate(candidates)
+            if loads[k] <= slack
+        ]
+        i = min(eligible)[3]
+        self._count("evict_oldest")
+        order = sorted(range(len(candidates)), key=lambda k: (k != i, loads[k]))
+        return [[candidates[k]] for k in order]
+
     def _keep_holder(self, terms: list[tuple], keyed: list[tuple]) -> list[tuple]:
         """Move the cheapest not-hot holder of the longest match to the front when the first
-        choice beats it by less than ``holder_margin_per_block`` per matched block: leaving a
+        choice beats it by less than ``holder_margin_per_block`` per block of the match the
+        first choice would not import from the KV directory (an import recomputes nothing): leaving a
         holder recomputes its prefix elsewhere and costs cache space there for later requests,
         which the per-request cost does not count."""
         longest = max(t[_MATCHED] for t in terms)
         first = terms[keyed[0][4]]
-        if longest == 0 or first[_HOT] or first[_MATCHED] == longest:
+        # None of the holder's match to recompute (the first choice holds or imports it): no
+        # margin; otherwise the margin counts every matched block it would not import.
+        recomputed = longest - first[_MATCHED] - first[_TRANSFER]
+        if recomputed <= 0 or first[_HOT]:
             return keyed
         for pos, k in enumerate(keyed):
             t = terms[k[4]]
             if t[_MATCHED] == longest and not t[_HOT]:
-                margin = self.config.holder_margin_per_block * longest
+                margin = self.config.holder_margin_per_block * (longest - first[_TRANSFER])
                 if t[_COST] - first[_COST] < margin:
                     return [k, *keyed[:pos], *keyed[pos + 1 :]]
                 return keyed

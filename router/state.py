@@ -9,6 +9,7 @@ deployment, the simulated clock in a simulator), and ``now`` never decreases bet
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,8 @@ class ReplicaView:
         "cross_node_transfer_cost_ratio",
         "node_id",
         "decode_step_s",
+        "intake_blocks",
+        "_intake_log",
     )
 
     def __init__(self, replica_id: str) -> None:
@@ -98,6 +101,11 @@ class ReplicaView:
         self.unreported_prefill = 0
         self.reported_own_prefill = 0
         self.foreign_prefill = 0
+        # Blocks the replica's reports show it wrote into its cache (hashes new since the previous
+        # report), in all, and as (report time, running total) after each report that showed
+        # some, oldest first, trimmed to what ``eviction_horizon`` needs.
+        self.intake_blocks = 0
+        self._intake_log: deque[tuple[float, int]] = deque()
 
     @property
     def num_in_flight(self) -> int:
@@ -153,6 +161,47 @@ class ReplicaView:
                 if entry is None or (entry[0] <= 0 and now - entry[1] >= decision_ttl_s):
                     return i
         return len(block_hashes)
+
+    def add_intake(self, blocks: int, now: float) -> None:
+        """The replica wrote ``blocks`` new blocks into its cache by ``now``."""
+        if blocks <= 0:
+            return
+        self.intake_blocks += blocks
+        log = self._intake_log
+        log.append((now, self.intake_blocks))
+        capacity = self.kv_total_blocks
+        if capacity:
+            # Entries at or below the horizon's running total are never read again.
+            floor = self.intake_blocks - capacity
+            while len(log) > 1 and log[0][1] <= floor:
+                log.popleft()
+
+    def eviction_key(self) -> tuple[bool, float]:
+        """Orders replicas by how old the blocks are that new ones would evict (least harm
+        first): a cache not yet full (or of unreported size) before a full one, and among those
+        the fewer blocks written; a full cache by its ``eviction_horizon``, the earliest first."""
+        capacity = self.kv_total_blocks
+        written = self.intake_blocks
+        if not capacity or written < capacity:
+            return (False, float(written))
+        return (True, self.eviction_horizon())
+
+    def eviction_horizon(self) -> float:
+        """How old the blocks are that new blocks would evict here, as far as the replica's
+        reports tell: the time of the report by which the oldest of its latest KV capacity
+        (``kv_total_blocks``) of written blocks had been written. Each block written since
+        pushed an older one out of the LRU cache, so earlier is better for a new prompt.
+        ``-inf`` while the cache has not yet filled (or its size is not reported): new blocks
+        evict nothing. A block reused since it was written moves to the young end of the LRU,
+        which this ignores, so the oldest block is, if anything, older."""
+        capacity = self.kv_total_blocks
+        if not capacity or self.intake_blocks < capacity:
+            return _NEVER
+        floor = self.intake_blocks - capacity
+        for written_at, total in self._intake_log:
+            if total > floor:
+                return written_at
+        return _NEVER
 
     def set_load(self, load: int, at: float) -> None:
         self.reported_load = load
@@ -257,13 +306,17 @@ class ClusterState:
         view.num_waiting = report.num_waiting
         view.kv_free_blocks = report.kv_free_blocks
         view.kv_total_blocks = report.kv_total_blocks
+        # Blocks written since the previous report (a prompt's, an answer's, an import's): the
+        # hashes it did not list. The first report counts its whole cache as written then.
+        view.add_intake(len(report.cached_block_hashes - view.cached), report.reported_at)
         view.cached = report.cached_block_hashes
         view.transfer_cost_ratio = report.transfer_cost_ratio
         view.cross_node_transfer_cost_ratio = report.cross_node_transfer_cost_ratio
         view.node_id = report.node_id
         view.decode_step_s = report.decode_step_s
+        pending = -(-report.num_pending_prefill_tokens // max(1, report.block_size))
         view.report_at = report.reported_at
-        view.set_prefill(-(-report.num_pending_prefill_tokens // max(1, report.block_size)))
+        view.set_prefill(pending)
         view.drop_stale_decisions(now, self.decision_ttl_s, report.reported_at)
         if report.reported_at >= view.load_at:
             view.set_load(report.load, report.reported_at)

@@ -182,7 +182,7 @@ def test_round_robin_spreads_evenly_through_the_real_policy(tmp_path: Path) -> N
     # The prefix-aware policy keeps the shared prefix on one replica and says so.
     aware = _run(specs, replicas=4, stats_period_s=0.2)
     assert max(r.num_routed for r in aware.replicas) == 40
-    assert aware.policy.counters["prefix_home"] == 1  # only the first request had no match
+    assert aware.policy.counters["evict_oldest"] == 1  # only the first request had no match
     assert aware.policy.counters["prefix"] == 39
     # Reports reached the policy: the serving replica's view holds the shared blocks.
     serving = max(aware.replicas, key=lambda r: r.num_routed)

@@ -21,6 +21,9 @@ from tests.router.support import prompt_hashes, random_tokens, report
 
 
 def prefix_policy(seed: int = 0, **options: object) -> PrefixAwarePolicy:
+    # Without evict_oldest and the holder margin unless a test asks: these tests pin down the
+    # prefix home, power of two choices and the plain cost ranking.
+    options = {"evict_oldest": False, "holder_margin_per_block": 0.0, **options}
     policy = make_policy("prefix_aware", RouterConfig(**options), rng=random.Random(seed))
     assert isinstance(policy, PrefixAwarePolicy)
     return policy

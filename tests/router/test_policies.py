@@ -19,6 +19,9 @@ WEIGHTS = {"load_cost_per_request": 4.0, "queued_prefill_cost_per_block": 0.5}
 
 
 def prefix_policy(seed: int = 0, **options: object) -> PrefixAwarePolicy:
+    # Without evict_oldest and the holder margin unless a test asks: these tests pin down the
+    # prefix home, power of two choices and the plain cost ranking.
+    options = {"evict_oldest": False, "holder_margin_per_block": 0.0, **options}
     policy = make_policy("prefix_aware", RouterConfig(**options), rng=random.Random(seed))
     assert isinstance(policy, PrefixAwarePolicy)
     return policy
@@ -340,3 +343,47 @@ def test_rank_is_a_permutation_with_hot_replicas_last_and_costs_sorted(
     keys = [(s.hot, s.cost) for s in ordered]
     assert keys == sorted(keys)
     assert any(not s.hot for s in ordered)  # the least loaded replica is never hot
+
+
+def test_a_prompt_nobody_holds_goes_where_the_cache_evicts_the_oldest_blocks() -> None:
+    # Capacity 10 per replica. "a" wrote its last 10 blocks after 1.0, "b" after 2.0; "c" has
+    # written only 4 (its cache is not full), so a new prompt evicts nothing there.
+    policy = prefix_policy(evict_oldest=True)
+    writes = {"a": [(1.0, range(0, 12))], "b": [(1.0, range(100, 104)), (2.0, range(100, 114))]}
+    writes["c"] = [(1.0, range(200, 204))]
+    for replica, reports in writes.items():
+        for at, hashes in reports:
+            policy.apply_report(replica, report(replica, hashes, at=at, total=10), now=at)
+    new_prompt = list(range(1000, 1006))
+    assert first(policy.rank(["a", "b", "c"], new_prompt, 3.0)) == "c"
+    assert first(policy.rank(["a", "b"], new_prompt, 3.0)) == "a"  # both full: a's are older
+    assert policy.counters == {"evict_oldest": 2}
+    # A candidate busier than the least loaded by more than one request is passed over.
+    policy.apply_report("c", report("c", range(200, 204), at=3.5, total=10, running=2), 3.5)
+    assert first(policy.rank(["a", "b", "c"], new_prompt, 4.0)) == "a"
+    # Off: the prompt's home or the better of two random replicas, as before.
+    off = prefix_policy(evict_oldest=False)
+    off.rank(["a", "b", "c"], new_prompt, 3.0)
+    assert set(off.counters) <= {"prefix_home", "fallback"}
+
+
+def test_cold_prompts_spread_over_equal_replicas_by_what_each_has_written() -> None:
+    # Reports show how much each replica wrote: routing cold prompts to the fewest written,
+    # report after report, keeps the replicas' writes within one prompt of each other.
+    policy = prefix_policy(evict_oldest=True)
+    replicas = ["a", "b", "c", "d"]
+    cached: dict[str, list[int]] = {r: [] for r in replicas}
+    rng = random.Random(5)
+    next_hash = 0
+    for step in range(40):
+        now = 1.0 + step
+        for r in replicas:
+            policy.apply_report(r, report(r, cached[r], at=now, total=10_000), now=now)
+        size = rng.randrange(1, 30)
+        prompt = list(range(next_hash, next_hash + size))
+        next_hash += size
+        went = first(policy.rank(replicas, prompt, now + 0.5))
+        cached[went].extend(prompt)
+    written = [len(cached[r]) for r in replicas]
+    assert max(written) - min(written) < 30
+    assert policy.counters == {"evict_oldest": 40}

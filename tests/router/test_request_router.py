@@ -225,7 +225,7 @@ def test_a_handed_off_request_goes_where_its_inter_token_slo_is_kept() -> None:
 
 def test_missing_prefix_information_falls_back_to_power_of_two() -> None:
     async def body() -> None:
-        router = make_router()
+        router = make_router(evict_oldest=False)
         replicas = [FakeReplica("a"), FakeReplica("b")]
         router.update_replicas(replicas)
         await settle()

@@ -322,3 +322,34 @@ def test_accounting_invariants(ops: list[tuple]) -> None:
             assert view.estimated_prefill_blocks <= (
                 view.reported_prefill_blocks + view.unreported_prefill
             )
+
+
+def test_eviction_horizon_follows_the_blocks_the_reports_show_written() -> None:
+    s = state()
+    view = s.view("a")
+    assert view.eviction_key() == (False, 0.0)  # nothing reported: nothing written
+    # Capacity 10: the first report's 4 blocks count as written at 1.0, then 4 more, then 4 more.
+    s.apply_report("a", report("a", range(4), at=1.0, total=10), now=1.0)
+    s.apply_report("a", report("a", range(8), at=2.0, total=10), now=2.0)
+    assert view.intake_blocks == 8
+    assert view.eviction_key() == (False, 8.0)  # not full yet: new blocks evict nothing
+    assert view.eviction_horizon() == float("-inf")
+    # Blocks 0-1 evicted, 8-11 written: 12 written in all; the oldest of the last 10 (block 2)
+    # was written by the report at 1.0.
+    s.apply_report("a", report("a", range(2, 12), at=3.0, total=10), now=3.0)
+    assert view.intake_blocks == 12
+    assert view.eviction_key() == (True, 1.0)
+    # The same snapshot again writes nothing; 6 new blocks make block 8 (written by 3.0) the
+    # oldest left.
+    s.apply_report("a", report("a", range(2, 12), at=4.0, total=10), now=4.0)
+    s.apply_report("a", report("a", range(8, 18), at=5.0, total=10), now=5.0)
+    assert view.intake_blocks == 18
+    assert view.eviction_key() == (True, 3.0)
+
+
+def test_a_restarted_replica_counts_its_writes_afresh() -> None:
+    s = state()
+    s.apply_report("a", report("a", range(20), at=1.0, total=10), now=1.0)
+    assert s.view("a").eviction_key() == (True, 1.0)
+    s.apply_report("a", report("a", range(3), at=2.0, total=10, started_at=1.5), now=2.0)
+    assert s.view("a").eviction_key() == (False, 3.0)
