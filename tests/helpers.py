@@ -1,7 +1,9 @@
-"""Shared test helpers: tiny random checkpoints made on the fly."""
+"""Shared test helpers: tiny random checkpoints made on the fly, and Python run in a child."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -150,3 +152,13 @@ def make_tiny_family(path: Path, family: str, seed: int = 3, **overrides: object
     return make_tiny_llama(
         path, seed=seed, perturb_norms=True, **{**TINY_FAMILIES[family], **overrides}
     )
+
+
+def run_python(code: str, timeout: float = 120) -> str:
+    """Run ``code`` in a fresh interpreter (for process-wide settings a test must not leave in
+    its own process); its stdout, stripped. Fails the test, with the child's stderr, if it does."""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()

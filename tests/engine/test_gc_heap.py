@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from tests.helpers import run_python
 
 
 def test_freeze_moves_live_objects_out_of_full_collections() -> None:
@@ -31,6 +30,4 @@ for _ in range(10):
 assert gc.collect() >= 10
 print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    assert run_python(code) == "ok"

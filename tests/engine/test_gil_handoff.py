@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from engine.gil_handoff import SWITCH_INTERVAL_S, shorten_switch_interval
+from tests.helpers import run_python
 
-
-def run_child(code: str) -> str:
-    # In a child: the interval is process-wide and would change this test process's threads.
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
+# Each test but the last runs in a child (``run_python``): the interval is process-wide and would
+# change this test process's threads.
 
 
 def test_the_interval_shortens_to_the_default() -> None:
@@ -24,7 +18,7 @@ from engine.gil_handoff import SWITCH_INTERVAL_S, shorten_switch_interval
 assert sys.getswitchinterval() == 0.005
 print(shorten_switch_interval(), sys.getswitchinterval(), SWITCH_INTERVAL_S)
 """
-    got, now, default = (float(x) for x in run_child(code).split())
+    got, now, default = (float(x) for x in run_python(code).split())
     assert got == now == pytest.approx(default) == pytest.approx(SWITCH_INTERVAL_S)
     assert default < 0.005
 
@@ -36,7 +30,7 @@ from engine.gil_handoff import shorten_switch_interval
 sys.setswitchinterval(0.0001)
 print(shorten_switch_interval(0.001))
 """
-    assert float(run_child(code)) == pytest.approx(0.0001)
+    assert float(run_python(code)) == pytest.approx(0.0001)
 
 
 def test_a_thread_running_python_hands_the_gil_back_sooner() -> None:
@@ -68,7 +62,7 @@ shorten_switch_interval()
 after = returns_per_second()
 print(before, after)
 """
-    before, after = (float(x) for x in run_child(code).split())
+    before, after = (float(x) for x in run_python(code).split())
     # 5 ms per return allows ~200 a second; 0.2 ms up to ~5,000. A loaded CI machine still
     # keeps the ratio far above 3.
     assert after > 3 * before, (before, after)
