@@ -5,7 +5,9 @@ holds one reference on each of those blocks until ``free``. Blocks shared throug
 held by every request that hit them.
 
 A request's block ``i`` gets its hash registered (``cache_computed_blocks``) once its tokens are
-all computed, i.e. ``num_computed_tokens >= (i + 1) * block_size``.
+all computed, i.e. ``num_computed_tokens >= (i + 1) * block_size``. Blocks shared from a request
+that computes them in the same step (``engine.step_sharing``) count as computed from admission on
+and are registered after that step, like the ones the request computes itself.
 """
 
 from __future__ import annotations
@@ -60,15 +62,20 @@ class KVCacheManager:
         num_new_tokens: int,
         computed_blocks: list[KVCacheBlock] | None = None,
         use_watermark: bool = False,
+        shared_blocks: list[KVCacheBlock] | None = None,
     ) -> bool:
-        """Give the request blocks for ``num_new_tokens`` more tokens (after its computed tokens
-        and any newly hit ``computed_blocks``). All or nothing: returns False and changes nothing
-        when the pool cannot supply them (keeping the watermark free, for new requests)."""
+        """Give the request blocks for ``num_new_tokens`` more tokens (after its computed tokens,
+        any newly hit ``computed_blocks`` and then any ``shared_blocks``: blocks another request
+        computes in the same step, ``engine.step_sharing``). All or nothing: returns False and
+        changes nothing when the pool cannot supply them (keeping the watermark free, for new
+        requests)."""
         computed_blocks = computed_blocks or []
+        shared_blocks = shared_blocks or []
         blocks = self.req_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_reused = len(computed_blocks) + len(shared_blocks)
+        num_computed = request.num_computed_tokens + num_reused * self.block_size
         num_needed = self.blocks_needed(num_computed + num_new_tokens)
-        num_new_blocks = num_needed - len(blocks) - len(computed_blocks)
+        num_new_blocks = num_needed - len(blocks) - num_reused
         # Hit blocks sitting in the free queue stop being allocatable once touched.
         num_hit_free = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         available = self.pool.num_free_blocks - num_hit_free
@@ -83,6 +90,11 @@ class KVCacheManager:
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
             self._num_cached_blocks[request.request_id] = len(blocks)
+        if shared_blocks:
+            # Held by their computing request (never free); not yet registered, so this
+            # request's cache_computed_blocks covers them too (a no-op once the leader has).
+            self.pool.touch(shared_blocks)
+            blocks.extend(shared_blocks)
         if num_new_blocks > 0:
             blocks.extend(self.pool.allocate(num_new_blocks))
         return True

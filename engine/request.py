@@ -5,6 +5,8 @@
        │                    │  └──preempt───> PREEMPTED ──schedule──> RUNNING
        └────────────────────┴── abort (from any unfinished state) ──> FINISHED_ABORTED
     WAITING / PREEMPTED, before the first token, past the deadline ──> FINISHED_REJECTED
+    RUNNING ──admission withdrawn before its step ran──> WAITING / PREEMPTED: a step planned
+       ahead lost a request whose blocks this one was to read (Scheduler.drop_finished)
     PREEMPTED ──stop/eos/max_tokens──> FINISHED_STOPPED / FINISHED_LENGTH: a token sampled by a
        step that was running when the next step's plan preempted it (engine.step_pipeline)
 
@@ -68,6 +70,7 @@ _ALLOWED = {
         RequestStatus.FINISHED_REJECTED,
     },
     RequestStatus.RUNNING: {
+        RequestStatus.WAITING,
         RequestStatus.PREEMPTED,
         RequestStatus.FINISHED_STOPPED,
         RequestStatus.FINISHED_LENGTH,

@@ -11,11 +11,16 @@ Each ``schedule()`` builds one step:
    each admitted with its prefix-cache hit and leaving the adaptive watermark's reserve of free
    blocks while others run. Admission stops at the first request that does not fit (no overtaking, so no
    starvation), and is skipped entirely in a step that had to preempt.
-3. A waiting request whose next uncached block is one that an admitted request is still
-   computing (same hash: the same tokens behind the same prefix) waits, and the requests behind
-   it may go first: a burst behind one new system prompt computes the prompt once and then hits
-   it, instead of every request of the first step recomputing it. The wait ends when those
-   blocks are computed (or their owner leaves), so it is bounded by one prefill.
+3. A waiting request reads, after its prefix-cache hit, the consecutive full blocks that a
+   request already scheduled in this step completes in it (same hash: the same tokens behind the
+   same prefix; ``engine.step_sharing``): a burst behind one new system prompt computes the
+   prompt once, in the step that admits the whole burst, and the followers count it as cached.
+   A request whose next block after those is one that a running request is still computing
+   and will not complete in this step (its chunk stops short of it, or it sits the step out)
+   waits, and the requests behind it may go first, rather than compute that block a second time. The wait ends
+   when those blocks are computed (or their owner leaves), so it is bounded by one prefill. A
+   block past the last one a hit could serve (the request must compute its last token) never
+   makes it wait.
 
 Prefill chunks and decodes share a step, so a long prompt never stalls running streams.
 
@@ -45,6 +50,7 @@ from engine.fair_share import FairShare
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduling_policy import policy_scorers
+from engine.step_sharing import SharedRun, StepBlocks
 
 
 @dataclass
@@ -57,6 +63,9 @@ class SchedulerOutput:
     first_scheduled: list[Request] = field(default_factory=list)
     # Requests finished as rejected this step (deadline passed before their first token).
     rejected: list[Request] = field(default_factory=list)
+    # request_id -> the requests of this step that compute blocks it reads (engine.step_sharing):
+    # they must run in the same step.
+    shared_from: dict[str, list[Request]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -256,6 +265,7 @@ class Scheduler:
 
         # Only needed to admit someone; a steady decode step has nobody waiting.
         inflight = self._inflight_block_hashes() if self.waiting else None
+        step_blocks = self._step_blocks(out) if inflight is not None else None
         deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
@@ -263,11 +273,15 @@ class Scheduler:
                 deferred.append(self.waiting.pop())
                 continue
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            shared = SharedRun()
+            if step_blocks is not None and not request.skips_prefix_cache:
+                shared = step_blocks.extend(request, len(computed_blocks))
+                num_cached += len(shared.blocks) * self.kv.block_size
             next_block = num_cached // self.kv.block_size
             if (
                 inflight is not None
                 and not request.skips_prefix_cache
-                and next_block < len(request.block_hashes)
+                and next_block < (request.num_tokens - 1) // self.kv.block_size
                 and request.block_hashes[next_block] in inflight
             ):
                 deferred.append(self.waiting.pop())
@@ -276,7 +290,9 @@ class Scheduler:
             # The watermark protects running requests; with none, a request that needs nearly
             # the whole pool must still be admitted or it would wait forever.
             use_watermark = bool(self.running)
-            if not self.kv.allocate_slots(request, num_new, computed_blocks, use_watermark):
+            if not self.kv.allocate_slots(
+                request, num_new, computed_blocks, use_watermark, shared.blocks
+            ):
                 break
             self.waiting.pop()
             request.set_status(RequestStatus.RUNNING)
@@ -286,13 +302,24 @@ class Scheduler:
                 out.first_scheduled.append(request)
             bisect.insort(self.running, request, key=self.waiting.key)
             out.scheduled.append((request, num_new))
+            if shared.leaders:
+                out.shared_from[request.request_id] = shared.leaders
             share.scheduled(request)
             budget -= num_new
             if inflight is not None:
                 inflight.update(request.block_hashes[next_block:])
+            if step_blocks is not None:
+                step_blocks.add(request, num_new)
         for request in deferred:
             self.waiting.push(request)  # same key: back in its place
         return out
+
+    def _step_blocks(self, out: SchedulerOutput) -> StepBlocks:
+        """The blocks the running requests scheduled so far complete in this step."""
+        step_blocks = StepBlocks(self.kv)
+        for request, num_new in out.scheduled:
+            step_blocks.add(request, num_new)
+        return step_blocks
 
     def _inflight_block_hashes(self) -> set | None:
         """Hashes of the full blocks that running requests have yet to compute (None without
@@ -301,6 +328,45 @@ class Scheduler:
             return None
         bs = self.kv.block_size
         return {h for r in self.running for h in r.block_hashes[r.num_computed_tokens // bs :]}
+
+    def drop_finished(self, out: SchedulerOutput) -> bool:
+        """Take out of ``out``, a step planned ahead and not yet run (``engine.step_pipeline``),
+        the requests that finished since it was planned (their blocks are already freed), and
+        withdraw the admission of every request that was to read blocks one of those would have
+        computed in it (``out.shared_from``; and so on down the chain): it goes back to the
+        waiting queue as if never admitted. Returns whether ``out`` changed."""
+        gone = {r.request_id for r, _ in out.scheduled if r.is_finished}
+        if not gone:
+            return False
+        kept: list[tuple[Request, int]] = []
+        # Leaders come before their followers in a step's order.
+        for request, num_new in out.scheduled:
+            if request.request_id in gone:
+                continue
+            leaders = out.shared_from.get(request.request_id, ())
+            if any(leader.request_id in gone for leader in leaders):
+                self._withdraw(request, out)
+                gone.add(request.request_id)
+                continue
+            kept.append((request, num_new))
+        out.scheduled = kept
+        out.first_scheduled = [r for r in out.first_scheduled if r.request_id not in gone]
+        out.shared_from = {f: ls for f, ls in out.shared_from.items() if f not in gone}
+        return True
+
+    def _withdraw(self, request: Request, out: SchedulerOutput) -> None:
+        """Undo ``request``'s admission in ``out``, which has not run: a request admitted for
+        the first time waits again as new, a readmitted preempted one as preempted. No
+        preemption is counted; nothing it holds was written."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        if request in out.first_scheduled:
+            request.num_cached_tokens = -1
+            request.set_status(RequestStatus.WAITING)
+        else:
+            request.set_status(RequestStatus.PREEMPTED)
+        self.waiting.push(request)
 
     def update_from_output(self, out: SchedulerOutput) -> list[Request]:
         """Advance progress after the model ran ``out``. Returns the requests that reached the end

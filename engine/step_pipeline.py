@@ -7,7 +7,8 @@ One ``step()``:
    or schedule and prepare now when there is none. Requests of the plan that finished since it
    was made (a stop, EOS or length at the previous step, an abort between steps) leave it and the
    rest is prepared again on this thread: they never run a step past their end, and their blocks
-   were freed when they finished.
+   were freed when they finished. A request the plan admitted to read blocks that one of them
+   was to compute in the step (``engine.step_sharing``) goes back to waiting with it.
 2. Fill in the input tokens that were still being sampled when the plan was made.
 3. Count the step's progress before it runs (``Scheduler.update_from_output``), and mark every
    request that samples this step as having one token in flight (``Request.num_inflight_tokens``).
@@ -137,9 +138,6 @@ class StepPipeline:
         if plan is None:
             return None
         out = plan.out
-        live = [(r, n) for r, n in out.scheduled if not r.is_finished]
-        if len(live) < len(out.scheduled):
-            out.scheduled = live
-            out.first_scheduled = [r for r in out.first_scheduled if not r.is_finished]
+        if self.engine.scheduler.drop_finished(out):
             plan.batch = None
         return None if out.is_empty else plan

@@ -73,6 +73,26 @@ class AttentionBackend:
 
     The KV cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads,
     head_dim]`` (the layout flash-attention's paged kernels read).
+
+    Invariant: within a layer, every token's K/V of the step is written to the cache before any
+    attention of that layer reads the cache. A request admitted in a step may therefore read
+    blocks that another request of the same step computes in it (``engine.step_sharing``): its
+    queries see that layer's K/V of every token of those blocks. Each path keeps it:
+
+    * ``torch``: ``forward`` stores the whole step (``write_kv``) before the decodes' gather and
+      each prefill's SDPA; a prefill chunk that is its sequence's whole context attends over its
+      own K/V instead of the cache, and a request reading another's blocks always has context
+      before its chunk, so it reads the cache.
+    * ``cpu``: the same store first (one native ``write_kv_cache`` call, an OpenMP loop that
+      ends before the call returns), then the native kernel, the per-sequence SDPA calls and the
+      shared-prefix split, all of which only read the cache. The split's prefix is made of
+      blocks before every query of the step, so blocks computed in the step are never in it.
+    * the native decoder stack (``engine.model.native_forward``, ``csrc/llama_forward.c``):
+      per layer, ``write_kv_cache`` over all the step's rows, then one ``paged_attention`` call
+      over all its sequences, one after the other.
+    * ``flash``: ``write_kv`` (``index_copy_``) is queued on the current CUDA stream before the
+      kernel that reads the cache, so the kernel starts after the copy, captured decode graphs
+      included (the capture keeps the order).
     """
 
     name = "base"

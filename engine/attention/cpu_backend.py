@@ -183,6 +183,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             # path reads ``reference_plan``).
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)
         plan = meta.plan_as(CpuAttentionPlan)
+        # The whole step before any read: requests may read blocks others of the step write
+        # (the invariant in AttentionBackend).
         self.write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         prefix = plan.shared_prefix_tokens

@@ -84,6 +84,8 @@ class FlashAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         plan = meta.plan_as(FlashAttentionPlan)
+        # Queued before the kernel on the same stream: requests may read blocks others of the
+        # step write (the invariant in AttentionBackend).
         self.write_kv(k, v, k_cache, v_cache, meta)
         if plan.cu_seqlens_q is None or plan.cu_seqlens_k is None:
             out = self.kernels.with_kvcache(

@@ -100,6 +100,8 @@ class TorchAttentionBackend(AttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
+        # The whole step before any read: requests may read blocks others of the step write
+        # (the invariant in AttentionBackend).
         self.write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         if window is None and softcap is None:

@@ -26,6 +26,8 @@ LEGAL = {
     # Its last token arrived after an overlapped step's plan preempted it.
     (S.PREEMPTED, S.FINISHED_STOPPED),
     (S.PREEMPTED, S.FINISHED_LENGTH),
+    # A planned admission withdrawn before its step ran (its leader left the plan).
+    (S.RUNNING, S.WAITING),
 }
 # A path from WAITING to each state, through legal transitions only.
 PATHS = {

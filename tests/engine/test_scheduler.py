@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -45,6 +46,10 @@ class Sim:
         out = self.sched.schedule()
         assert out.num_tokens <= self.config.max_num_batched_tokens
         assert len(self.sched.running) <= self.config.max_num_seqs
+        return self.run(out)
+
+    def run(self, out: SchedulerOutput) -> SchedulerOutput:
+        """The model's part of a scheduled step."""
         for request in self.sched.update_from_output(out):
             request.append_output_token(7)
             if request.num_output_tokens >= request.sampling_params.max_tokens:
@@ -123,46 +128,222 @@ def test_prefix_hit_is_skipped_by_the_prefill():
     assert out.first_scheduled == [second]
 
 
-def _with_prompt(sim: Sim, rid: str, tokens: list[int]) -> Request:
+def _with_prompt(
+    sim: Sim,
+    rid: str,
+    tokens: list[int],
+    group: str | None = None,
+    root: bytes | None = None,
+    params: SamplingParams | None = None,
+) -> Request:
     sim.clock += 1.0
     request = Request(
-        rid, tokens, SamplingParams(max_tokens=1), block_size=BS, arrival_time=sim.clock
+        rid,
+        tokens,
+        params or SamplingParams(max_tokens=1),
+        block_size=BS,
+        arrival_time=sim.clock,
+        group_id=group,
+        hash_root=root,
     )
     sim.sched.add_request(request)
     return request
 
 
-def test_requests_behind_an_uncomputed_shared_prefix_wait_for_it():
+def test_requests_behind_an_uncomputed_shared_prefix_read_it_in_the_same_step():
     """Three requests share a 3-block prompt prefix that nobody has computed: the first computes
-    it, the other two wait one step and hit it; an unrelated request behind them is not held."""
+    it, and the other two, admitted in the same step, read its blocks instead of computing them
+    (counted as cached); an unrelated request behind them is not held."""
     sim = Sim(max_num_batched_tokens=64)
     shared = [next(_tokens) for _ in range(12)]
     first = _with_prompt(sim, "first", shared + [1, 2])
     twins = [_with_prompt(sim, f"twin{i}", shared + [3 + i, 4]) for i in range(2)]
     other = _with_prompt(sim, "other", [next(_tokens) for _ in range(6)])
-    assert plan(sim.step()) == {"first": 14, "other": 6}
-    assert all(t.status == RequestStatus.WAITING for t in twins)
     out = sim.step()
-    assert plan(out) == {"twin0": 2, "twin1": 2}
+    assert plan(out) == {"first": 14, "twin0": 2, "twin1": 2, "other": 6}
     assert [t.num_cached_tokens for t in twins] == [12, 12]
-    assert first.is_finished and other.is_finished
-    # They hold the very blocks the first request computed.
-    assert sim.kv.block_ids("twin0")[:3] == sim.kv.block_ids("twin1")[:3]
+    assert all(r.is_finished for r in (first, *twins, other))
+    assert {f: [r.request_id for r in ls] for f, ls in out.shared_from.items()} == {
+        "twin0": ["first"],
+        "twin1": ["first"],
+    }
+    assert sim.kv.pool.num_free_blocks == sim.kv.num_blocks
 
 
-def test_shared_prefix_wait_spans_a_chunked_prefill():
-    """The prefix owner is prefilled in chunks: a request sharing it waits while its next block
-    is still to be computed, then hits everything computed so far."""
-    sim = Sim(max_num_batched_tokens=8)
+def test_a_burst_over_new_prefixes_is_scheduled_in_one_step():
+    """Four new 3-block prefixes, each behind two requests: one step admits all eight, each
+    follower holding the very blocks its leader computes in that step; after it the leaders'
+    blocks are registered once each, and the blocks all come back at the end."""
+    sim = Sim(max_num_batched_tokens=2048)
+    prefixes = [[next(_tokens) for _ in range(12)] for _ in range(4)]
+    reqs = [
+        _with_prompt(sim, f"p{p}-{k}", prefixes[p] + [next(_tokens) for _ in range(5)])
+        for k in range(2)
+        for p in range(4)
+    ]
+    leaders, followers = reqs[:4], reqs[4:]
+    out = sim.sched.schedule()
+    assert plan(out) == {
+        **{r.request_id: 17 for r in leaders},
+        **{r.request_id: 5 for r in followers},
+    }
+    for leader, follower in zip(leaders, followers, strict=True):
+        assert follower.num_computed_tokens == follower.num_cached_tokens == 12
+        assert leader.num_cached_tokens == 0
+        blocks = sim.kv.req_blocks[leader.request_id][:3]
+        assert sim.kv.req_blocks[follower.request_id][:3] == blocks
+        assert all(b.ref_cnt == 2 and b.block_hash is None for b in blocks)
+        assert out.shared_from[follower.request_id] == [leader]
+    sim.sched.update_from_output(out)
+    for leader in leaders:
+        for block, block_hash in zip(
+            sim.kv.req_blocks[leader.request_id][:4], leader.block_hashes[:4], strict=True
+        ):
+            assert sim.kv.pool.cached[block_hash] is block
+    sim.kv.pool.check_invariants()
+    # Each follower's fourth block, its own suffix's, is its own.
+    for follower in followers:
+        assert (
+            sim.kv.pool.cached[follower.block_hashes[3]]
+            is sim.kv.req_blocks[follower.request_id][3]
+        )
+    for request in reqs:
+        sim.sched.finish_request(request, RequestStatus.FINISHED_ABORTED)
+    assert sim.kv.pool.num_free_blocks == sim.kv.num_blocks
+
+
+def test_a_follower_reads_what_a_chunked_leader_completes_in_the_step():
+    """The prefix owner is prefilled in chunks: the follower is held while the owner's chunk
+    stops short of the prefix, and in the step whose chunk completes it, hits the blocks of
+    earlier steps and reads the rest from the owner in that same step."""
+    sim = Sim(max_num_batched_tokens=10)
     shared = [next(_tokens) for _ in range(16)]
-    _with_prompt(sim, "owner", shared + [1])
+    owner = _with_prompt(sim, "owner", shared + [1])
     follower = _with_prompt(sim, "follower", shared + [2])
-    for _ in range(2):
-        assert plan(sim.step()) == {"owner": 8}
-        assert follower.status == RequestStatus.WAITING
-    out = sim.step()
-    assert plan(out) == {"owner": 1, "follower": 1}
+    assert plan(sim.step()) == {"owner": 10}
+    assert follower.status == RequestStatus.WAITING
+    assert sim.kv.pool.num_free_blocks == sim.kv.num_blocks - 3
+    out = sim.sched.schedule()
+    assert plan(out) == {"owner": 7, "follower": 1}
     assert follower.num_cached_tokens == 16
+    # Blocks 0 and 1 are prefix hits, 2 and 3 the owner's of this very step.
+    assert sim.kv.block_ids("follower")[:4] == sim.kv.block_ids("owner")[:4]
+    assert out.shared_from == {"follower": [owner]}
+
+
+def test_a_follower_waits_for_a_block_its_leader_computes_in_a_later_step():
+    """The leader sits this step out (its group's share, ``max_seqs_per_group``): its next
+    block is in flight but not completed in the step, so the follower waits rather than
+    compute it a second time, and a request behind it goes first; when the leader's turn comes,
+    the follower reads the blocks of that step."""
+    sim = Sim(max_num_batched_tokens=12, max_seqs_per_group=1)
+    shared = [next(_tokens) for _ in range(16)]
+    many = SamplingParams(max_tokens=20)
+    _with_prompt(sim, "mate", [next(_tokens) for _ in range(3)], group="g", params=many)
+    leader = _with_prompt(sim, "leader", shared + [1], group="g")
+    assert plan(sim.step()) == {"mate": 3, "leader": 9}  # a group alone is not capped
+    follower = _with_prompt(sim, "follower", shared + [2])
+    _with_prompt(sim, "other", [next(_tokens) for _ in range(3)])
+    out = sim.step()
+    assert plan(out) == {"mate": 1, "other": 3}
+    assert follower.status == RequestStatus.WAITING and not out.shared_from
+    # Its turn: the leader completes the prefix, and the follower reads the part of this step.
+    out = sim.step()
+    assert plan(out) == {"leader": 8, "follower": 1}
+    assert follower.num_cached_tokens == 16 and out.shared_from == {"follower": [leader]}
+
+
+def test_a_follower_whose_prompt_is_all_shared_blocks_does_not_wait():
+    """Identical prompts (``n`` choices): a hit never covers the last block, which holds the
+    token to sample from, so the followers compute it themselves in the same step rather than
+    wait for the leader's copy."""
+    sim = Sim(max_num_batched_tokens=64)
+    prompt = [next(_tokens) for _ in range(12)]
+    reqs = [_with_prompt(sim, f"n{k}", list(prompt)) for k in range(3)]
+    assert plan(sim.step()) == {"n0": 12, "n1": 4, "n2": 4}
+    assert [r.num_cached_tokens for r in reqs] == [0, 8, 8]
+
+
+def test_requests_with_other_cache_salts_share_nothing_in_a_step():
+    """Another hash root (``cache_salt``) names other blocks: neither shared nor waited for."""
+    sim = Sim(max_num_batched_tokens=64)
+    shared = [next(_tokens) for _ in range(12)]
+    a = _with_prompt(sim, "a", shared + [1], root=b"salt-a")
+    b = _with_prompt(sim, "b", shared + [2], root=b"salt-b")
+    same = _with_prompt(sim, "a2", shared + [3], root=b"salt-a")
+    out = sim.step()
+    assert plan(out) == {"a": 13, "b": 13, "a2": 1}
+    assert (a.num_cached_tokens, b.num_cached_tokens, same.num_cached_tokens) == (0, 0, 12)
+
+
+def test_a_request_that_skips_the_prefix_cache_neither_reads_nor_waits():
+    """Prompt logprobs need every prompt position computed: such a request computes the shared
+    prefix itself, in the same step; its blocks may still serve others."""
+    sim = Sim(max_num_batched_tokens=64)
+    shared = [next(_tokens) for _ in range(12)]
+    _with_prompt(sim, "a", shared + [1])
+    logprobs = _with_prompt(
+        sim, "logprobs", shared + [2], params=SamplingParams(max_tokens=1, prompt_logprobs=1)
+    )
+    assert logprobs.skips_prefix_cache
+    out = sim.sched.schedule()
+    assert plan(out) == {"a": 13, "logprobs": 13} and not out.shared_from
+    assert logprobs.num_cached_tokens == 0
+
+
+def test_a_dropped_leader_takes_its_followers_admission_with_it():
+    """A step planned ahead loses a request before it runs (an abort): whoever was to read its
+    blocks in that step, directly or through another follower, goes back to waiting as if never
+    admitted, and its blocks come back."""
+    for aborted in ("leader", "middle"):
+        sim = Sim(max_num_batched_tokens=64)
+        a = [next(_tokens) for _ in range(8)]
+        b = [next(_tokens) for _ in range(8)]
+        _with_prompt(sim, "leader", a + [1])
+        middle = _with_prompt(sim, "middle", a + b + [2])  # reads a, computes b
+        last = _with_prompt(sim, "last", a + b + [3])  # reads a and b
+        _with_prompt(sim, "other", [next(_tokens) for _ in range(5)])
+        out = sim.sched.schedule()
+        assert plan(out) == {"leader": 9, "middle": 9, "last": 1, "other": 5}
+        assert [r.request_id for r in out.shared_from["last"]] == ["leader", "middle"]
+        sim.sched.abort_request(aborted)
+        assert sim.sched.drop_finished(out)
+        withdrawn = [middle, last] if aborted == "leader" else [last]
+        kept = {"leader": 9, "other": 5} if aborted == "middle" else {"other": 5}
+        assert plan(out) == kept
+        assert [r.request_id for r in out.first_scheduled] == list(kept)
+        for request in withdrawn:
+            assert request.status == RequestStatus.WAITING
+            assert (request.num_computed_tokens, request.num_cached_tokens) == (0, -1)
+            assert request.request_id not in sim.kv.req_blocks
+        assert list(sim.sched.waiting) == withdrawn
+        assert not sim.sched.drop_finished(out)
+        sim.run(out)
+        # Nothing is lost: the withdrawn requests run later and every block comes back.
+        while sim.sched.has_unfinished():
+            sim.step()
+        assert sim.kv.pool.num_free_blocks == sim.kv.num_blocks
+
+
+def test_a_withdrawn_readmission_waits_again_as_preempted():
+    """A preempted request readmitted in a plan that then loses its leader is preempted again,
+    not new: its first scheduling and its hit stay counted once."""
+    sim = Sim(max_num_batched_tokens=3, scheduling_policy="shortest_prompt")
+    a = [next(_tokens) for _ in range(8)]
+    follower = _with_prompt(sim, "follower", a + [2, 3], params=SamplingParams(max_tokens=4))
+    assert plan(sim.step()) == {"follower": 3}  # no full block computed yet
+    sim.sched._preempt(follower)
+    sim.sched.config = sim.config = dataclasses.replace(sim.config, max_num_batched_tokens=64)
+    _with_prompt(sim, "leader", a + [1])  # shorter: admitted first
+    out = sim.sched.schedule()
+    assert plan(out) == {"leader": 9, "follower": 2}
+    assert out.first_scheduled == [out.scheduled[0][0]]
+    sim.sched.abort_request("leader")
+    assert sim.sched.drop_finished(out) and out.is_empty
+    assert follower.status == RequestStatus.PREEMPTED
+    assert (follower.num_computed_tokens, follower.num_cached_tokens) == (0, 0)
+    assert sim.kv.pool.num_free_blocks == sim.kv.num_blocks
+    assert plan(sim.step()) == {"follower": 10}
 
 
 def test_without_prefix_caching_nothing_waits():

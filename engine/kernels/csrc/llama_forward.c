@@ -67,6 +67,8 @@ int llama_forward_bf16(const llama_model *m, uint16_t *x, int64_t T, const int64
         rc |= decode_linear(h, T, H, H, m->qkv[l], qkv_n, 0, qkv, qkv_n, num_threads);
         rope_bf16(qkv, positions, m->rope_cos, m->rope_sin, T, m->num_heads + m->num_kv_heads, D,
                   qkv_n, num_threads);
+        /* Every row's K/V before the layer's attention reads the cache: a sequence may read
+         * blocks another sequence of the step writes (engine.attention.base). */
         write_kv_cache(qkv + q_size, qkv + q_size + kv_size, m->k_cache[l], m->v_cache[l], slots,
                        T, kv_size, qkv_n, qkv_n, 2, num_threads);
         if (rc == 0)
