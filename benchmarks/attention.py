@@ -5,7 +5,8 @@ shared-prefix split each win (the thresholds in ``engine.attention.cpu_backend``
     python -m benchmarks.attention --dtype float32 --threads 1
 
 Prints milliseconds per layer for:
-- prefill chunks of fresh tokens, native kernel vs one SDPA call per sequence;
+- prefill chunks of fresh tokens, native kernel vs one SDPA call per sequence vs one SDPA call
+  for all of them (the backend's batch of whole prompts);
 - prefill chunks after cached context (a shared prefix hit, then the prompt's own tokens), native
   kernel vs the backend's SDPA path (a gather of the context, a bottom-right causal mask);
 - 64 decodes with a 512-token prefix shared by all, native kernel alone vs the split (one SDPA
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata
-from engine.attention.cpu_backend import CpuAttentionBackend, CpuAttentionPlan
+from engine.attention.cpu_backend import CpuAttentionBackend, CpuAttentionPlan, sdpa_batches
 from engine.kernels import native
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -42,7 +43,9 @@ def _cache(num_blocks: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
     return torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
 
 
-def _prefill_case(qlen: int, seqs: int, dtype: torch.dtype, repeat: int) -> tuple[float, float]:
+def _prefill_case(
+    qlen: int, seqs: int, dtype: torch.dtype, repeat: int
+) -> tuple[float, float, float]:
     total = qlen * seqs
     blocks_per_seq = -(-qlen // BLOCK)
     k_cache, v_cache = _cache(seqs * blocks_per_seq, dtype)
@@ -71,17 +74,25 @@ def _prefill_case(qlen: int, seqs: int, dtype: torch.dtype, repeat: int) -> tupl
     def kernel() -> None:
         native.paged_attention(q, k_cache, v_cache, tables, lens, starts, lens, out, scale)
 
-    return timed(kernel, repeat), timed(per_seq_sdpa, repeat)
+    qsl = [s * qlen for s in range(seqs + 1)]
+    batches, _ = sdpa_batches(list(range(seqs)), qsl, [qlen] * seqs, [qlen] * seqs)
+
+    def batched_sdpa() -> None:
+        for batch in batches:  # none for one sequence: the backend calls SDPA once anyway
+            CpuAttentionBackend._prefill_batch(q, k, v, scale, out, batch)
+
+    sdpa = timed(per_seq_sdpa, repeat)
+    return timed(kernel, repeat), sdpa, timed(batched_sdpa, repeat) if batches else sdpa
 
 
 def prefill(dtype: torch.dtype, repeat: int) -> None:
     print("prefill chunks of fresh tokens (ms per layer):")
-    for qlen, seqs in ((32, 60), (96, 21), (512, 4), (2048, 1)):
-        ours, sdpa = _prefill_case(qlen, seqs, dtype, repeat)
+    for qlen, seqs in ((32, 60), (96, 21), (100, 20), (100, 12), (544, 3), (512, 4), (2048, 1)):
+        ours, sdpa, batched = _prefill_case(qlen, seqs, dtype, repeat)
         pairs = qlen * (qlen + 1) // 2
         print(
             f"  {seqs:3d} x {qlen:4d} tokens ({pairs:7d} pairs each): "
-            f"native {ours:7.2f}  SDPA {sdpa:7.2f}"
+            f"native {ours:7.2f}  SDPA per sequence {sdpa:7.2f}  batched {batched:7.2f}"
         )
 
 

@@ -1,11 +1,13 @@
-"""Time one prefill forward with and without the last-layer pruning (``forward(keep=...)``).
+"""Time one prefill forward with and without the last-layer pruning (``forward(keep=...)``), or
+with and without whole prompts batched into one SDPA call per layer (``--compare sdpa-batch``,
+the CPU attention backend's ``batch_whole_prompts``).
 
     python -m benchmarks.prefill_step --prompts 20 --tokens 100 --rounds 6
+    python -m benchmarks.prefill_step --compare sdpa-batch --prompts 3 --tokens 544
 
 Admits ``--prompts`` fresh prompts of ``--tokens`` random tokens, builds their one prefill batch
 (they must fit ``max_num_batched_tokens``), then times the model's forward over it, alternating
-between computing the last layer for every row and for the sampled rows only (the engine's
-path). The forward writes the same KV each time, so the runs are interchangeable; the LM head and
+between the two variants (the engine's path is the second of each pair). The forward writes the same KV each time, so the runs are interchangeable; the LM head and
 sampling are not included.
 """
 
@@ -30,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--compare", choices=["prune", "sdpa-batch"], default="prune")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -51,22 +54,37 @@ def main(argv: list[str] | None = None) -> None:
         if not engine.kv.allocate_slots(r, r.num_tokens):
             raise SystemExit("the prompts do not fit the KV cache")
     runner = engine.runner
-    batch = runner.prepare(
-        [ScheduledSeq(r, r.num_tokens, engine.kv.block_ids(r.request_id)) for r in requests]
-    )
+    seqs = [ScheduledSeq(r, r.num_tokens, engine.kv.block_ids(r.request_id)) for r in requests]
+    batch = runner.prepare(seqs)
+    variants = {"last layer for every row": (batch, None)}
+    if args.compare == "prune":
+        variants["last layer for sampled rows"] = (batch, batch.logits_indices)
+    else:
+        backend = runner.backend
+        if not hasattr(backend, "batch_whole_prompts"):
+            raise SystemExit(f"--compare sdpa-batch needs the cpu attention backend, not {backend}")
+        backend.batch_whole_prompts = False
+        alone = runner.prepare(seqs)
+        backend.batch_whole_prompts = True
+        variants = {
+            "an SDPA call per prompt": (alone, alone.logits_indices),
+            "prompts batched in SDPA": (batch, batch.logits_indices),
+        }
 
-    def forward(keep: torch.Tensor | None) -> float:
+    def forward(variant: str) -> float:
+        b, keep = variants[variant]
         t0 = time.perf_counter()
         with torch.inference_mode():
-            runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta, keep)
+            runner.model(b.input_ids, b.positions, runner.kv_caches, b.meta, keep)
         return time.perf_counter() - t0
 
-    for _ in range(2):
-        forward(None)
-    times: dict[str, list[float]] = {"every row": [], "sampled rows": []}
+    for name in variants:
+        forward(name)
+        forward(name)
+    times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
-        times["every row"].append(forward(None))
-        times["sampled rows"].append(forward(batch.logits_indices))
+        for name in variants:
+            times[name].append(forward(name))
     tokens = args.prompts * args.tokens
     print(
         f"{args.prompts} prompts x {args.tokens} tokens ({tokens} tokens), {args.dtype}, "
@@ -75,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, ts in times.items():
         med = statistics.median(ts)
         print(
-            f"  last layer for {name:12s}: median {med * 1e3:7.1f} ms, best {min(ts) * 1e3:7.1f} "
+            f"  {name:28s}: median {med * 1e3:7.1f} ms, best {min(ts) * 1e3:7.1f} "
             f"ms ({tokens / med:.0f} tok/s)"
         )
 

@@ -6,9 +6,11 @@ Per sequence of a step:
 - decodes, and prefill chunks with few (query, key) pairs, go through one native call
   (``engine.kernels.native.paged_attention``) that reads each cached row straight through the
   block table: no gathered copy, no padding, no call per sequence;
-- longer prefill chunks keep the PyTorch path (one SDPA call per sequence, over a gathered
-  context when there is one), whose GEMM-based kernel is several times faster per pair than the
-  kernel's generic loop; except in bf16 on CPUs with AVX512-BF16 and no AMX, where the kernel's
+- longer prefill chunks keep the PyTorch path, whose GEMM-based kernel is several times faster
+  per pair than the kernel's generic loop: chunks that are their sequence's whole context (a
+  fresh prompt) go in batches of similar lengths, one SDPA call per batch, right-padded to the
+  batch's longest (a causal row never sees the padding after it); the others one SDPA call
+  each, over a gathered context; except in bf16 on CPUs with AVX512-BF16 and no AMX, where the kernel's
   bf16 tile (``csrc/attention_tile_bf16.c``) is faster than SDPA at every length, so every
   chunk takes the native call (docs/performance.md).
 
@@ -25,9 +27,10 @@ C compiler ``auto`` falls back to ``torch``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata, AttentionPlan, NativeSeqs
 from engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionPlan, torch_plan
@@ -41,6 +44,10 @@ NATIVE_MAX_PAIRS = 4096
 # the prefix for every sequence: worth it from about 64 sequences x 256 prefix tokens (or fewer
 # sequences with a longer prefix; docs/performance.md, item 8).
 CASCADE_MIN_PAIRS = 16384
+# Whole-prompt chunks batched into one SDPA call: the longest at most this many times the
+# shortest, so that padding costs less than the per-call overhead it saves (one call for 20
+# prompts of 100 tokens takes two thirds of 20 calls' time; docs/performance.md).
+SDPA_BATCH_MAX_SPREAD = 1.25
 _sdpa_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
@@ -50,12 +57,67 @@ def _pairs(qlen: int, keys: int) -> int:
 
 
 @dataclass
+class SdpaBatch:
+    """Whole-prompt chunks attended in one SDPA call. ``seqs``: indices into the step's
+    sequences; ``max_len``: the longest chunk; ``rows``: ``[len(seqs), max_len]`` token indices
+    into the step's rows, each padded with its sequence's last row; ``real``: the flat positions
+    of the real (not padding) entries of ``rows``, in step order, and ``tokens`` the step rows
+    they are; ``span``: ``(start, end)`` when the chunks are consecutive and of one length, so that
+    the step's rows are viewed as the batch without a copy (then ``rows`` etc. are None)."""
+
+    seqs: list[int]
+    max_len: int
+    rows: torch.Tensor | None = None
+    real: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    span: tuple[int, int] | None = None
+
+
+def sdpa_batches(
+    seqs: list[int], qsl: list[int], qlens: list[int], lens: list[int]
+) -> tuple[list[SdpaBatch], list[int]]:
+    """Group the whole-prompt chunks among ``seqs`` (``qlens[i] == lens[i]``) into batches of
+    similar lengths; returns the batches of two or more and the sequences left for a call each."""
+    fresh = sorted((i for i in seqs if qlens[i] == lens[i]), key=lambda i: qlens[i])
+    groups: list[list[int]] = []
+    for i in fresh:
+        if groups and qlens[i] <= SDPA_BATCH_MAX_SPREAD * qlens[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    batches, alone = [], [i for i in seqs if qlens[i] != lens[i]]
+    for group in groups:
+        if len(group) < 2:
+            alone.extend(group)
+            continue
+        group.sort()
+        longest = max(qlens[i] for i in group)
+        starts = [qsl[i] for i in group]
+        if all(qlens[i] == longest for i in group) and all(
+            qsl[a + 1] == qsl[b] for a, b in zip(group, group[1:], strict=False)
+        ):
+            batches.append(SdpaBatch(group, longest, span=(starts[0], qsl[group[-1] + 1])))
+            continue
+        offsets = torch.arange(longest)
+        qlen = torch.tensor([qlens[i] for i in group])
+        rows = torch.tensor(starts)[:, None] + torch.minimum(offsets[None, :], qlen[:, None] - 1)
+        mask = offsets[None, :] < qlen[:, None]
+        real = mask.flatten().nonzero().squeeze(1)
+        batches.append(
+            SdpaBatch(group, longest, rows=rows.flatten(), real=real, tokens=rows.flatten()[real])
+        )
+    alone.sort()
+    return batches, alone
+
+
+@dataclass
 class CpuAttentionPlan(AttentionPlan):
     """How the CPU backend splits one step between the native kernel and SDPA.
 
     Every sequence of the step is in exactly one of ``native_seqs`` (one native call over those
-    sequences, in step order; None when there is none) and ``sdpa_seqs`` (sorted indices into
-    the step's sequences, one SDPA call each). ``shared_prefix_tokens`` is 0, or a positive
+    sequences, in step order; None when there is none), ``sdpa_batches`` (whole-prompt chunks,
+    one SDPA call per batch) and ``sdpa_seqs`` (sorted indices into the step's sequences, one
+    SDPA call each). ``shared_prefix_tokens`` is 0, or a positive
     multiple of ``block_size`` that every sequence's block table starts with and every query
     comes after; then ``sdpa_seqs`` is empty, ``native_seqs`` covers the whole step (from
     position ``shared_prefix_tokens``) and ``shared_prefix_blocks`` names the prefix's blocks
@@ -66,6 +128,7 @@ class CpuAttentionPlan(AttentionPlan):
 
     native_seqs: NativeSeqs | None
     sdpa_seqs: list[int]
+    sdpa_batches: list[SdpaBatch] = field(default_factory=list)
     shared_prefix_tokens: int = 0
     shared_prefix_blocks: slice | torch.Tensor | None = None
     reference: TorchAttentionPlan | None = None
@@ -85,6 +148,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             )
         # Prefill chunks above this many (query, key) pairs go to SDPA (None: none do).
         self.native_max_pairs: int | None = NATIVE_MAX_PAIRS
+        # Whole prompts of similar lengths share one SDPA call (off: a call each).
+        self.batch_whole_prompts = True
         if dtype == torch.bfloat16 and native.bf16_prefill_preferred():
             self.native_max_pairs = None
 
@@ -104,10 +169,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
             for i in range(meta.num_seqs)
             if qlens[i] == 1 or self._on_native(_pairs(qlens[i], lens[i] - prefix))
         ]
+        to_sdpa = sorted(set(range(meta.num_seqs)) - set(on_native))
+        batches, alone = (
+            sdpa_batches(to_sdpa, qsl, qlens, lens) if self.batch_whole_prompts else ([], to_sdpa)
+        )
         plan = CpuAttentionPlan(
-            native_seqs=None,
-            sdpa_seqs=sorted(set(range(meta.num_seqs)) - set(on_native)),
-            shared_prefix_tokens=prefix,
+            native_seqs=None, sdpa_seqs=alone, sdpa_batches=batches, shared_prefix_tokens=prefix
         )
         if prefix:
             blocks = meta.block_tables[0, : prefix // meta.block_size]
@@ -137,7 +204,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def native_step(self, meta: AttentionMetadata) -> NativeSeqs | None:
         plan = meta.plan_as(CpuAttentionPlan)
-        if plan.shared_prefix_tokens or plan.sdpa_seqs:
+        if plan.shared_prefix_tokens or plan.sdpa_seqs or plan.sdpa_batches:
             return None
         return plan.native_seqs
 
@@ -200,9 +267,43 @@ class CpuAttentionBackend(TorchAttentionBackend):
             self._merge_shared_prefix(q, k_cache, v_cache, blocks, scale, part, part_lse, out)
         elif seqs is not None:
             native.paged_attention(q, k_cache, v_cache, *seqs, out, scale)
+        for batch in plan.sdpa_batches:
+            self._prefill_batch(q, k, v, scale, out, batch)
         for i in plan.sdpa_seqs:
             self.prefill_one(q, k, v, k_cache, v_cache, meta, scale, out, i)
         return out
+
+    @staticmethod
+    def _prefill_batch(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+        batch: SdpaBatch,
+    ) -> None:
+        """Causal attention of whole-prompt chunks over their own K/V, one SDPA call."""
+        n, length = len(batch.seqs), batch.max_len
+        heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+        if batch.span is not None:
+            start, end = batch.span
+            qb, kb, vb = q[start:end], k[start:end], v[start:end]
+        else:
+            assert batch.rows is not None
+            qb, kb, vb = (t.index_select(0, batch.rows) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(
+            qb.view(n, length, heads, dim).transpose(1, 2),
+            kb.view(n, length, kv_heads, dim).transpose(1, 2),
+            vb.view(n, length, kv_heads, dim).transpose(1, 2),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        ).transpose(1, 2)
+        if batch.span is not None:
+            out[batch.span[0] : batch.span[1]] = o.reshape(-1, heads, dim)
+        else:
+            assert batch.real is not None and batch.tokens is not None
+            out.index_copy_(0, batch.tokens, o.reshape(-1, heads, dim).index_select(0, batch.real))
 
     @staticmethod
     def _merge_shared_prefix(

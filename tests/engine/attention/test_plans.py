@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.attention.base import AttentionMetadata
-from engine.attention.cpu_backend import CpuAttentionBackend, CpuAttentionPlan
+from engine.attention.cpu_backend import CpuAttentionBackend, CpuAttentionPlan, sdpa_batches
 from engine.attention.flash_backend import FlashAttentionPlan, flash_plan
 from engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionPlan
 from engine.kernels import native
@@ -123,3 +123,54 @@ def test_a_backend_reads_only_a_plan_of_its_own_kind():
     TorchAttentionBackend().prepare(meta)
     with pytest.raises(TypeError, match="TorchAttentionPlan, not a CpuAttentionPlan"):
         meta.plan_as(CpuAttentionPlan)
+
+
+def test_sdpa_batches_group_whole_prompts_of_similar_length():
+    # Sequences 0-2: whole prompts 100, 100, 110 (within the spread); 3: a chunk after cached
+    # context; 4: a whole prompt too long to join; 5: alone in its length class too.
+    qlens = [100, 100, 110, 20, 300, 40]
+    lens = [100, 100, 110, 60, 300, 40]
+    qsl = [0, *accumulate(qlens)]
+    batches, alone = sdpa_batches(list(range(6)), qsl, qlens, lens)
+    assert alone == [3, 4, 5]
+    (batch,) = batches
+    assert batch.seqs == [0, 1, 2] and batch.max_len == 110 and batch.span is None
+    assert batch.rows is not None and batch.real is not None and batch.tokens is not None
+    rows = batch.rows.view(3, 110)
+    # Each sequence's rows, padded with its last row; the real entries are exactly its tokens.
+    assert rows[0, :100].tolist() == list(range(100)) and set(rows[0, 100:].tolist()) == {99}
+    assert rows[2].tolist() == list(range(200, 310))
+    assert batch.tokens.tolist() == list(range(310))
+
+    # Consecutive prompts of one length are viewed in place.
+    batches, alone = sdpa_batches([0, 1], [0, 100, 200], [100, 100], [100, 100])
+    assert alone == [] and batches[0].span == (0, 200) and batches[0].rows is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        [(5, 1), (16, 16), (16, 16), (16, 16)],  # one length, consecutive: viewed in place
+        [(12, 12), (3, 1), (14, 14), (10, 4), (13, 13)],  # padded, between other kinds
+    ],
+)
+def test_batched_whole_prompts_attend_like_dense_attention(dtype, seqs):
+    gen = torch.Generator().manual_seed(3)
+    step, (_, full_k, full_v, q_parts, qsl) = mixed_batch(seqs, 0, gen)
+    q, k, v, k_cache, v_cache = (t.to(dtype) for t in step[:5])
+    meta = step[5]
+    backend = CpuAttentionBackend(dtype)
+    backend.native_max_pairs = 60  # whole prompts of 11+ tokens go to SDPA, the rest native
+    backend.prepare(meta)
+    plan = meta.plan_as(CpuAttentionPlan)
+    whole = [i for i, (ctx, qlen) in enumerate(seqs) if ctx == qlen]
+    assert [i for b in plan.sdpa_batches for i in b.seqs] == whole
+    assert plan.sdpa_seqs == []
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, DIM**-0.5)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for i in range(len(seqs)):
+        qi, ki, vi = (t.to(dtype).float() for t in (q_parts[i], full_k[i], full_v[i]))
+        got = out[qsl[i] : qsl[i + 1]].float()
+        torch.testing.assert_close(got, dense_attention(qi, ki, vi), **tol)
