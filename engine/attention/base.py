@@ -85,7 +85,8 @@ class AttentionBackend:
       before its chunk, so it reads the cache.
     * ``cpu``: the same store first (one native ``write_kv_cache`` call, an OpenMP loop that
       ends before the call returns), then the native kernel, the per-sequence SDPA calls and the
-      shared-prefix split, all of which only read the cache. The split's prefix is made of
+      shared-prefix split, all of which only read the cache; the batched SDPA calls over whole
+      prompts read only their own K/V, like the torch path's whole-context chunks. The split's prefix is made of
       blocks before every query of the step, so blocks computed in the step are never in it.
     * the native decoder stack (``engine.model.native_forward``, ``csrc/llama_forward.c``):
       per layer, ``write_kv_cache`` over all the step's rows, then one ``paged_attention`` call
