@@ -79,7 +79,7 @@ def _prefill_case(
 
     def batched_sdpa() -> None:
         for batch in batches:  # none for one sequence: the backend calls SDPA once anyway
-            CpuAttentionBackend._prefill_batch(q, k, v, scale, out, batch)
+            CpuAttentionBackend.prefill_batch(q, k, v, scale, out, batch)
 
     sdpa = timed(per_seq_sdpa, repeat)
     return timed(kernel, repeat), sdpa, timed(batched_sdpa, repeat) if batches else sdpa

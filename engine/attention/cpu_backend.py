@@ -268,13 +268,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         elif seqs is not None:
             native.paged_attention(q, k_cache, v_cache, *seqs, out, scale)
         for batch in plan.sdpa_batches:
-            self._prefill_batch(q, k, v, scale, out, batch)
+            self.prefill_batch(q, k, v, scale, out, batch)
         for i in plan.sdpa_seqs:
             self.prefill_one(q, k, v, k_cache, v_cache, meta, scale, out, i)
         return out
 
     @staticmethod
-    def _prefill_batch(
+    def prefill_batch(
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
