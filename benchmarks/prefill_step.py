@@ -1,9 +1,11 @@
-"""Time one prefill forward with and without the last-layer pruning (``forward(keep=...)``), or
+"""Time one prefill forward with and without the last-layer pruning (``forward(keep=...)``),
 with and without whole prompts batched into one SDPA call per layer (``--compare sdpa-batch``,
-the CPU attention backend's ``batch_whole_prompts``).
+the CPU attention backend's ``batch_whole_prompts``), or with long chunks on SDPA against every
+chunk in the native kernel (``--compare native``, the backend's ``native_max_pairs``).
 
     python -m benchmarks.prefill_step --prompts 20 --tokens 100 --rounds 6
     python -m benchmarks.prefill_step --compare sdpa-batch --prompts 3 --tokens 544
+    python -m benchmarks.prefill_step --compare native --prompts 20 --tokens 100
 
 Admits ``--prompts`` fresh prompts of ``--tokens`` random tokens, builds their one prefill batch
 (they must fit ``max_num_batched_tokens``), then times the model's forward over it, alternating
@@ -21,6 +23,7 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
+from engine.attention.cpu_backend import NATIVE_MAX_PAIRS
 from engine.model_runner import ScheduledSeq
 
 
@@ -32,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--compare", choices=["prune", "sdpa-batch"], default="prune")
+    ap.add_argument("--compare", choices=["prune", "sdpa-batch", "native"], default="prune")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -59,6 +62,20 @@ def main(argv: list[str] | None = None) -> None:
     variants = {"last layer for every row": (batch, None)}
     if args.compare == "prune":
         variants["last layer for sampled rows"] = (batch, batch.logits_indices)
+    elif args.compare == "native":
+        backend = runner.backend
+        if not hasattr(backend, "native_max_pairs"):
+            raise SystemExit(f"--compare native needs the cpu attention backend, not {backend}")
+        chosen = backend.native_max_pairs
+        backend.native_max_pairs = NATIVE_MAX_PAIRS
+        sdpa = runner.prepare(seqs)
+        backend.native_max_pairs = None
+        every = runner.prepare(seqs)
+        backend.native_max_pairs = chosen
+        variants = {
+            "long chunks on SDPA": (sdpa, sdpa.logits_indices),
+            "every chunk native": (every, every.logits_indices),
+        }
     else:
         backend = runner.backend
         if not hasattr(backend, "batch_whole_prompts"):

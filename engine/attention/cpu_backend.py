@@ -10,9 +10,10 @@ Per sequence of a step:
   per pair than the kernel's generic loop: chunks that are their sequence's whole context (a
   fresh prompt) go in batches of similar lengths, one SDPA call per batch, right-padded to the
   batch's longest (a causal row never sees the padding after it); the others one SDPA call
-  each, over a gathered context; except in bf16 on CPUs with AVX512-BF16 and no AMX, where the kernel's
-  bf16 tile (``csrc/attention_tile_bf16.c``) is faster than SDPA at every length, so every
-  chunk takes the native call (docs/performance.md).
+  each, over a gathered context; except in bf16 on CPUs with AMX or AVX512-BF16, where the
+  kernel's AMX tiles (``csrc/attention_amx.c``) or its AVX512-BF16 tile
+  (``csrc/attention_tile_bf16.c``) are faster than SDPA at every length, so every chunk takes
+  the native call (``native.bf16_prefill_preferred``; docs/performance.md).
 
 Shared prefix ("cascade"): when every sequence's block table starts with the same ``P`` blocks
 and all queries come after them (many requests behind one system prompt, decoding together),

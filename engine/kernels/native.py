@@ -43,9 +43,11 @@ SOURCES = (
     CSRC / "llama_forward.c",
     CSRC / "f32_linear.c",
     CSRC / "attention_tile_bf16.c",
+    CSRC / "attention_amx.c",
 )
 HEADERS = (
     CSRC / "amx.h",
+    CSRC / "attention_amx.h",
     CSRC / "attention_tile_bf16.h",
     CSRC / "bf16.h",
     CSRC / "bf16x16.h",
@@ -249,14 +251,12 @@ def avx512_bf16_available() -> bool:
 @functools.cache
 def bf16_prefill_preferred() -> bool:
     """Whether bf16 prefill chunks of any length should take the native kernel rather than SDPA:
-    its AVX512-BF16 tile (``csrc/attention_tile_bf16.c``) runs here and the CPU has no AMX (there
-    SDPA's GEMMs run on AMX tiles, which this kernel was not measured against)."""
+    it runs them on AMX tiles where the CPU has AMX (``csrc/attention_amx.c``), else on its
+    AVX512-BF16 tile (``csrc/attention_tile_bf16.c``) where the CPU has AVX512-BF16; both measured
+    faster than SDPA at every length (docs/performance.md)."""
     lib = load()
-    return (
-        lib is not None
-        and "avx512_bf16" in cpu_flags()
-        and bool(lib.bf16_tile_available())
-        and not amx_available()
+    return lib is not None and (
+        amx_available() or ("avx512_bf16" in cpu_flags() and bool(lib.bf16_tile_available()))
     )
 
 

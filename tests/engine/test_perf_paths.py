@@ -116,9 +116,11 @@ def test_native_attention_long_bf16_chunks_match_reference(
     heads, kv_heads, head_dim, block_size, kv_start_blocks
 ):
     """Prefill chunks the size SDPA used to take (a whole 300-token prompt, 45 tokens after 472
-    cached, 17 after 17): on a CPU with AVX512-BF16 the kernel's bf16 tile (probabilities
-    rounded to bf16 for the value sums), elsewhere the generic loop; either within bf16's
-    tolerance of float32 attention, log-sum-exp included."""
+    cached, 17 after 17): on a CPU with AMX the kernel's AMX tiles (keys in passes of 256, so
+    the 300-token prompt and the chunk after 472 cross passes; groups of 8 heads score in two
+    rounds of tiles), else with AVX512-BF16 its bf16 tile (both round probabilities to bf16 for
+    the value sums), elsewhere the generic loop; each within bf16's tolerance of float32
+    attention, log-sum-exp included."""
     bs = block_size
     lens, qlens = [300, 517, 34, 1], [300, 45, 17, 1]
     q, k_cache, v_cache, tables = _random_batch(

@@ -21,7 +21,9 @@
  * Chunks of several tokens: the query rows of one KV head (the tile's tokens times the group) go
  * through the keys together in one pass with an online softmax: each cached K/V row is read
  * once per tile, no buffer grows with the context, and keys are scored 16 at a time with one
- * transposing horizontal sum. Decodes (one token): scores of all keys first (AMX tile
+ * transposing horizontal sum; in bf16 with AVX512-BF16 the rows are vector lanes instead
+ * (attention_tile_bf16.c), and with AMX an item is 16 tokens of every query head of one KV head,
+ * scored and summed by tile multiplies (attention_amx.c). Decodes (one token): scores of all keys first (AMX tile
  * multiplies for bf16 where the CPU and kernel allow, else a vector loop), one softmax, then the
  * weighted sum of values; for a single query token that measured faster than the online pass.
  */
@@ -31,6 +33,7 @@
 #include <string.h>
 
 #include "amx.h"
+#include "attention_amx.h"
 #include "attention_tile_bf16.h"
 #include "bf16.h"
 #include "vec16.h"
@@ -49,6 +52,7 @@ typedef struct {
     int64_t kv_start;
     float scale;
     int amx_scores; /* bf16 decode scores on AMX: usable here, head_dim % 32, block_size % 16 */
+    int amx_prefill; /* bf16 prefill tiles on AMX (attention_amx.c): amx_scores and head_dim fit */
 } attn_args;
 
 static inline float load_elem(const void *base, int64_t i, int dtype) {
@@ -648,50 +652,73 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache,
                          0
 #endif
     };
+    attn_args args = a;
+    args.amx_prefill = a.amx_scores && head_dim <= BF16_TILE_MAX_DIM;
     const int tile = MAX_ROWS / group; /* query tokens per item */
 
     /* Items: every sequence's query tiles, split by KV head when there are too few to keep the
-     * threads busy (a batch of one) and always for decodes (one tile of one token). */
-    int64_t num_tiles = 0;
+     * threads busy (a batch of one) and always for decodes (one tile of one token). On AMX a
+     * prefill item is 16 tokens of every query head of one KV head (attention_amx.c). */
+    int64_t num_tiles = 0, num_items = 0;
     for (int s = 0; s < num_seqs; s++)
         num_tiles += (query_len[s] + tile - 1) / tile;
     const int splits = num_tiles < 4 * (int64_t)num_threads ? num_kv_heads : 1;
-    int64_t *items = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)(num_tiles > 0 ? num_tiles : 1));
+    for (int s = 0; s < num_seqs; s++) {
+        if (query_len[s] > 1 && args.amx_prefill)
+            num_items += (query_len[s] + AMX_TILE_TOKENS - 1) / AMX_TILE_TOKENS * num_kv_heads;
+        else
+            num_items += (query_len[s] + tile - 1) / tile * splits;
+    }
+    /* (sequence, first token, first KV head, KV heads after the last) */
+    int64_t *items = (int64_t *)malloc(sizeof(int64_t) * 4 * (size_t)(num_items > 0 ? num_items : 1));
     if (items == NULL) return -1;
     int64_t k = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int amx = query_len[s] > 1 && args.amx_prefill;
+        const int64_t step = amx ? AMX_TILE_TOKENS : tile;
+        const int parts = amx ? num_kv_heads : splits;
+        for (int64_t t = 0; t < query_len[s]; t += step)
+            for (int p = 0; p < parts; p++) {
+                int64_t *item = items + 4 * k++;
+                item[0] = s;
+                item[1] = t;
+                item[2] = parts == 1 ? 0 : p;
+                item[3] = parts == 1 ? num_kv_heads : p + 1;
+            }
+    }
     int failed = 0;
-    for (int s = 0; s < num_seqs; s++)
-        for (int64_t t = 0; t < query_len[s]; t += tile) {
-            items[2 * k] = s;
-            items[2 * k + 1] = t;
-            k++;
-        }
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t it = 0; it < num_tiles * splits; it++) {
-        const int64_t i = it / splits;
-        const int s = (int)items[2 * i];
-        const int64_t t0 = items[2 * i + 1];
+    for (int64_t it = 0; it < num_items; it++) {
+        const int64_t *item = items + 4 * it;
+        const int s = (int)item[0];
+        const int64_t t0 = item[1];
+        const int h0 = (int)item[2], h1 = (int)item[3];
         const int64_t qlen = query_len[s];
-        const int64_t t1 = t0 + tile < qlen ? t0 + tile : qlen;
         if (qlen == 1) {
-            /* Decodes split by KV head in any case: item (s, 0) covers all of them when there
-             * is no split, so run each head here. */
-            const int h0 = splits == 1 ? 0 : (int)(it % splits);
-            const int h1 = splits == 1 ? num_kv_heads : h0 + 1;
 #if defined(HAVE_AMX)
-            if (splits == 1 && a.amx_scores) {
-                if (attend_decode_heads_amx(&a, s) != 0) failed = 1;
+            if (splits == 1 && args.amx_scores) {
+                if (attend_decode_heads_amx(&args, s) != 0) failed = 1;
                 continue;
             }
 #endif
             for (int h = h0; h < h1; h++)
-                if (attend_decode(&a, s, h) != 0) failed = 1;
+                if (attend_decode(&args, s, h) != 0) failed = 1;
             continue;
         }
-        const int h0 = splits == 1 ? 0 : (int)(it % splits);
-        const int h1 = splits == 1 ? num_kv_heads : h0 + 1;
-        attend_tile(&a, s, t0, t1, h0, h1);
+        if (args.amx_prefill) {
+            const int64_t t1 = t0 + AMX_TILE_TOKENS < qlen ? t0 + AMX_TILE_TOKENS : qlen;
+            const bf16_tile_args b = {(const uint16_t *)q, (const uint16_t *)k_cache,
+                                      (const uint16_t *)v_cache, block_tables + (int64_t)s * bt_stride,
+                                      (uint16_t *)out, lse, num_heads, group, head_dim, block_size,
+                                      q_stride, out_stride, args.row, scale};
+            if (amx_attend_tile(&b, query_start[s] + t0, seq_lens[s] - qlen + t0, (int)(t1 - t0), h0,
+                                kv_start) != 0)
+                failed = 1;
+            continue;
+        }
+        const int64_t t1 = t0 + tile < qlen ? t0 + tile : qlen;
+        attend_tile(&args, s, t0, t1, h0, h1);
     }
     free(items);
     return failed ? -1 : 0;
