@@ -175,6 +175,7 @@ def client_argv(
     return [
         *("--base-url", base_url, "--model", model, "--tokenizer", str(tokenizer)),
         *("--save-result", "--result-dir", str(result_dir), "--result-filename", filename),
+        "--save-detailed",  # per-request TTFTs in the raw results, to see which requests set p99
         *seed,
         *("--temperature", "0", "--disable-tqdm"),
         *("--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"),
