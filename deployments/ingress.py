@@ -12,7 +12,6 @@ from the tokens already sent (``deployments.failover``). The laptop layout serve
 from __future__ import annotations
 
 import dataclasses
-import time
 import uuid
 from typing import Any
 
@@ -23,10 +22,9 @@ from ray.serve.handle import DeploymentHandle
 from deployments import request_logging
 from deployments.config import AppArgs
 from deployments.cpu_affinity import restore_priority
-from deployments.engine_request import EngineError, EngineRequest
+from deployments.engine_request import EngineRequest
 from deployments.frontend import OpenAIFrontend, openai_routes
 from deployments.kv_namespace import NamespaceSource
-from router import first_token
 
 # Attempts per prompt when its engine replica fails before anything reached the client.
 MAX_ATTEMPTS = 3
@@ -48,33 +46,6 @@ def _own_serve_request_id(suffix: str) -> None:
     )
 
 
-class RelayedStream:
-    """A handle's stream whose first item (a token: the prompt's prefill is over on the chosen
-    replica) is reported to the request routers of this process (``router.first_token``), so
-    that the router stops counting the prompt as queued prefill there at once."""
-
-    def __init__(self, stream: Any, request_id: str) -> None:
-        self._stream = stream
-        self._request_id: str | None = request_id
-
-    def __aiter__(self) -> RelayedStream:
-        return self
-
-    async def __anext__(self) -> Any:
-        item = await self._stream.__anext__()
-        if self._request_id is not None:
-            if not isinstance(item, EngineError):
-                first_token.FIRST_TOKENS.arrived(self._request_id, time.time())
-            self._request_id = None
-        return item
-
-    def cancel(self) -> None:
-        self._stream.cancel()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-
 class HandleBackend:
     """Engine requests through the Engine deployment's handle: the request router picks the
     replica; Serve streams the items back."""
@@ -93,7 +64,7 @@ class HandleBackend:
     def open(self, req: EngineRequest, index: int, num_prompts: int, key: str | None = None) -> Any:
         if key is not None or num_prompts > 1:
             _own_serve_request_id(key or str(index))
-        return RelayedStream(self.generate_handle.remote(req), req.request_id)
+        return self.generate_handle.remote(req)
 
 
 app, OpenAIRoutes = openai_routes()

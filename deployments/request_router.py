@@ -5,10 +5,7 @@ Each routing attempt calls ``choose_replicas`` with every running replica; we fe
 routing stats to the policy and return its ranking, one replica per rank, best first. Serve then
 sends the request to the first rank whose replica is not full and reports back through
 ``on_new_queue_len_info`` / ``on_request_routed`` / ``on_request_completed``, which keep the
-policy's load estimate and its own recent decisions current between stats reports. In the routed
-layout the ingress also reports each request's first stream item (``router.first_token``): its
-prefill is over, so the policy stops counting its prompt as queued prefill
-(``on_request_first_token``).
+policy's load estimate and its own recent decisions current between stats reports.
 
 Serve pickles this module by value when the deployment is configured, so classes defined here are
 re-created in the ingress process and ``isinstance`` checks across modules cannot be trusted:
@@ -20,14 +17,13 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from deployments import tracing
-from router import RouterConfig, RoutingPolicy, first_token, make_policy, slo
+from router import RouterConfig, RoutingPolicy, make_policy, slo
 
 logger = logging.getLogger("ray.serve")
 
@@ -108,12 +104,6 @@ class PolicyRequestRouter(RequestRouter):
         # the policy at once, or every request of the burst would see the same loads and the
         # burst would split at random instead of evenly.
         self._tentative: dict[str, float] = {}
-        # First items the ingress reported for requests this router placed, (engine request id,
-        # time), drained before each ranking; and the ids it listens for, both ways (Serve's
-        # internal request id <-> the engine request's ``request_id``).
-        self._first_items: deque[tuple[str, float]] = deque()
-        self._engine_id: dict[str, str] = {}
-        self._serve_id: dict[str, str] = {}
 
     @property
     def policy(self) -> RoutingPolicy:
@@ -148,7 +138,6 @@ class PolicyRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         tracer = tracing.active()
         started_ns = 0 if tracer is None else time.time_ns()
-        self._drain_first_items()
         now = time.time()
         by_key: dict[str, RunningReplica] = {}
         for replica in candidates:
@@ -240,7 +229,6 @@ class PolicyRequestRouter(RequestRouter):
                 break  # insertion order is ranking order
             del self._tentative[request_id]
             self._policy.on_request_completed(request_id, now)  # never placed (cancelled)
-            self._stop_listening(request_id)
         request_id = _request_id(pending_request)
         if request_id is None:
             return
@@ -249,42 +237,6 @@ class PolicyRequestRouter(RequestRouter):
         )
         self._tentative.pop(request_id, None)
         self._tentative[request_id] = now
-        self._listen(request_id, pending_request)
-
-    def _listen(self, request_id: str, pending_request: PendingRequest) -> None:
-        """Have the ingress's report of the request's first item delivered here (by the engine
-        request's own id, the one the ingress knows)."""
-        args = getattr(pending_request, "args", None)
-        engine_id = _field(args[0], "request_id") if args else None
-        if engine_id is None:
-            return
-        engine_id = str(engine_id)
-        if self._engine_id.get(request_id) == engine_id:
-            return
-        self._stop_listening(request_id)  # a retry under the same Serve id: a new engine id
-        self._engine_id[request_id] = engine_id
-        self._serve_id[engine_id] = request_id
-        # Through the module: pickled by value, this one would carry a copy of the object.
-        first_token.FIRST_TOKENS.watch(engine_id, self._deliver_first_item)
-
-    def _stop_listening(self, request_id: str) -> None:
-        engine_id = self._engine_id.pop(request_id, None)
-        if engine_id is not None:
-            self._serve_id.pop(engine_id, None)
-            first_token.FIRST_TOKENS.unwatch(engine_id)
-
-    def _deliver_first_item(self, engine_id: str, now: float) -> None:
-        """Called on the ingress's loop: only queued (deque appends are thread-safe)."""
-        self._first_items.append((engine_id, now))
-
-    def _drain_first_items(self) -> None:
-        items = self._first_items
-        while items:
-            engine_id, at = items.popleft()
-            request_id = self._serve_id.pop(engine_id, None)
-            if request_id is not None:
-                self._engine_id.pop(request_id, None)
-                self._policy.on_request_first_token(request_id, at)
 
     def _believed_full(self, replica: RunningReplica) -> bool:
         view = self._policy.view(replica_key(replica.replica_id))
@@ -348,7 +300,6 @@ class PolicyRequestRouter(RequestRouter):
                     now,
                     session=request_session(pending_request),
                 )
-                self._listen(request_id, pending_request)
             queue_len = self._queue_len.pop(key, None)
             if queue_len is not None:
                 self._policy.observe_load(key, queue_len, now)
@@ -357,9 +308,7 @@ class PolicyRequestRouter(RequestRouter):
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         try:
-            self._drain_first_items()  # in order: a first item reported before the end
             self._policy.on_request_completed(internal_request_id, time.time())
-            self._stop_listening(internal_request_id)
         except Exception:
             self._log_error("could not record a completed request")
 

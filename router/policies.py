@@ -73,11 +73,6 @@ class RoutingPolicy(ABC):
         long)."""
         self.state.on_request_routed(request_id, replica_id, block_hashes, now)
 
-    def on_request_first_token(self, request_id: str, now: float) -> None:
-        """``request_id``'s first token arrived (its prefill is over): its prompt no longer
-        counts as queued prefill on its replica. Unknown ids are ignored."""
-        self.state.on_request_first_token(request_id, now)
-
     def on_request_completed(self, request_id: str, now: float) -> None:
         """``request_id`` finished, failed or was cancelled. Unknown ids are ignored."""
         self.state.on_request_completed(request_id, now)

@@ -42,11 +42,6 @@ class ReplicaView:
         ``foreign_prefill`` is the part of the report's figure those requests did not account
         for when it was applied (other routers' requests, or blocks this router wrongly believed
         cached).
-      * ``prefilled`` lists, oldest first, ``(first token time, routing time, blocks)`` of this
-        router's requests whose first token came after ``report_at`` (their prefill is over, so
-        ``inflight_prefill`` no longer has them): a report taken after the routing and before
-        the first token still counts those blocks as pending, and they are not
-        ``foreign_prefill``.
     """
 
     __slots__ = (
@@ -70,7 +65,6 @@ class ReplicaView:
         "unreported_prefill",
         "reported_own_prefill",
         "foreign_prefill",
-        "prefilled",
         "transfer_cost_ratio",
         "cross_node_transfer_cost_ratio",
         "node_id",
@@ -107,7 +101,6 @@ class ReplicaView:
         self.unreported_prefill = 0
         self.reported_own_prefill = 0
         self.foreign_prefill = 0
-        self.prefilled: deque[tuple[float, float, int]] = deque()
         # Blocks the replica's reports show it wrote into its cache (hashes new since the previous
         # report), in all, and as (report time, running total) after each report that showed
         # some, oldest first, trimmed to what ``eviction_horizon`` needs.
@@ -137,10 +130,9 @@ class ReplicaView:
         prefill of this router's requests that it may include and that are still in flight, plus
         the part no such request accounted for (``foreign_prefill``). Without the cap a replica
         whose long prompt finished looks busy until its next report, and requests sharing a
-        prefix with it leave it for a replica that must recompute the prefix. A request whose
-        first token came (``ClusterState.on_request_first_token``) has finished its prefill and
-        no longer counts either; one still waiting for it counts until it does, or until a
-        report no longer includes it."""
+        prefix with it leave it for a replica that must recompute the prefix. Requests still in
+        flight that finished their prefill since the report still count until the next one (a
+        report period at most): nothing tells this router when their first token came."""
         reported = min(
             self.reported_prefill_blocks, self.reported_own_prefill + self.foreign_prefill
         )
@@ -233,12 +225,7 @@ class ReplicaView:
             unreported += self.inflight_prefill.get(request_id, 0)
         self.unreported_prefill = unreported
         self.reported_own_prefill = sum(self.inflight_prefill.values()) - unreported
-        # Prefills that ended after the report was taken: in its figure, but ours, and over.
-        prefilled = self.prefilled
-        while prefilled and prefilled[0][0] <= self.report_at:
-            prefilled.popleft()
-        done_since = sum(b for _, routed_at, b in prefilled if routed_at <= self.report_at)
-        self.foreign_prefill = max(0, pending_blocks - self.reported_own_prefill - done_since)
+        self.foreign_prefill = max(0, pending_blocks - self.reported_own_prefill)
 
     def drop_stale_decisions(self, now: float, decision_ttl_s: float, confirmed_at: float) -> None:
         """Forget unpinned decisions older than ``confirmed_at`` (a report's time) or the TTL."""
@@ -394,29 +381,6 @@ class ClusterState:
                 entry[1] = max(entry[1], now)
         return True
 
-    def on_request_first_token(self, request_id: str, now: float) -> bool:
-        """Record that ``request_id``'s first token arrived at ``now``: its prefill is over, so
-        its prompt blocks leave the replica's queued-prefill estimate at once instead of at its
-        completion or the next report. False if it was not in flight here; a second call for
-        the same request changes nothing."""
-        request = self._requests.get(request_id)
-        if request is None:
-            return False
-        view = self.views.get(request.replica_id)
-        if view is None:
-            return True
-        uncached = view.inflight_prefill.pop(request_id, None)
-        if not uncached:
-            return True
-        routed_at = view.inflight.get(request_id, request.routed_at)
-        if routed_at > view.report_at:
-            view.unreported_prefill -= uncached
-        else:
-            view.reported_own_prefill -= uncached
-        if now > view.report_at:
-            view.prefilled.append((now, routed_at, uncached))
-        return True
-
     def in_flight(self, request_id: str) -> str | None:
         """The replica ``request_id`` is in flight on, if any."""
         request = self._requests.get(request_id)
@@ -430,7 +394,3 @@ class ClusterState:
         self._next_prune_at = now + self.decision_ttl_s / 4
         for view in self.views.values():
             view.drop_stale_decisions(now, self.decision_ttl_s, _NEVER)
-            # A report taken before these first tokens is long superseded or never coming.
-            prefilled = view.prefilled
-            while prefilled and now - prefilled[0][0] >= self.decision_ttl_s:
-                prefilled.popleft()

@@ -9,9 +9,8 @@ order and a run is deterministic for a seed. Four kinds:
   ``on_request_routed`` and ``observe_load`` with the replica's new queue length, as the Serve
   adapter does when a replica accepts a request. With KV sharing the replica may first import
   blocks (an ``IMPORT`` event after the transfer time); otherwise the request joins its queue.
-- ``STEP``: a replica's step ends: tokens are appended, first tokens (``on_request_first_token``,
-  as the ingress that relays the stream sees them) and completions (``on_request_completed``)
-  recorded, the next step scheduled at once if there is work.
+- ``STEP``: a replica's step ends: tokens are appended, first tokens and completions recorded
+  (``on_request_completed``), the next step scheduled at once if there is work.
 - ``IMPORT``: imported blocks are installed and the request joins the replica's queue.
 - ``REPORT``: every ``stats_period_s`` the router asks each replica for its routing stats (the
   dict ``record_routing_stats()`` returns, fed to ``policy.apply_report``). As a live replica
@@ -175,8 +174,6 @@ class Cluster:
                 first, finished = obj.finish_step(now)
                 for request in first:
                     request.first_token_time = now
-                    # The ingress relays the stream: it sees the first token as it comes.
-                    self.policy.on_request_first_token(request.request_id, now)
                     if directory is not None:
                         directory.publish(obj, request, self.node_of[obj.replica_id])
                 remaining -= self._complete(obj, finished, now)

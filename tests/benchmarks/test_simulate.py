@@ -123,24 +123,6 @@ def test_a_replica_reports_between_steps(
     assert reports[0]["num_pending_prefill_tokens"] == 0
 
 
-def test_the_router_hears_each_first_token_when_it_comes(tmp_path: Path) -> None:
-    records = [_record(50 * i, [*range(10), 100 + i]) for i in range(12)]
-    specs = load_trace(_write_trace(tmp_path / "t.jsonl", records), block_tokens=BLOCK)
-    cluster = Cluster(PROFILE, ClusterConfig(replicas=3, capacity_blocks=1000, block_tokens=BLOCK))
-    heard: dict[str, float] = {}
-    hook = cluster.policy.on_request_first_token
-
-    def record(request_id: str, now: float) -> None:
-        heard[request_id] = now
-        hook(request_id, now)
-
-    cluster.policy.on_request_first_token = record  # type: ignore[method-assign]
-    run = cluster.run(specs)
-    assert heard == {r.request_id: r.first_token_time for r in run.requests}
-    # Every prefill is over: nothing counts as queued anywhere.
-    assert all(v.estimated_prefill_blocks == 0 for v in cluster.policy.state.views.values())
-
-
 def test_one_shared_prefix_hits_all_but_the_first(tmp_path: Path) -> None:
     n = 20
     # 10 shared full blocks, then a partial block unique to each request (id 100 + i).

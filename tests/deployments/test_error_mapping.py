@@ -41,7 +41,6 @@ from deployments.ingress import MAX_ATTEMPTS, HandleBackend, Ingress
 from deployments.openai_format import ResponseBuilder
 from deployments.validation import GenerationJob
 from engine.sampling_params import SamplingParams
-from router.first_token import FIRST_TOKENS
 
 # Serve replaces a replica after this many failed health checks in a row.
 SERVE_UNHEALTHY_THRESHOLD = 3
@@ -787,27 +786,3 @@ def test_a_bad_model_fails_the_build_not_each_replica(tmp_path: Path) -> None:
         build_app({"model": str(tmp_path / "missing")})
     with pytest.raises(ValueError, match="^tokenizer: "):
         build_app({"tokenizer": str(tmp_path / "missing")})
-
-
-def test_the_first_relayed_item_reaches_the_request_router() -> None:
-    # The routed layout's ingress reports each stream's first item to the request routers of
-    # its process (router.first_token), keyed by the engine request's id; errors are not tokens.
-    heard: list[str] = []
-    error = EngineError(429, "full", "overloaded_error", retryable=False)
-    handle = FakeHandle(FakeStream(item(0, False), item(0, True)), FakeStream(error))
-    backend = HandleBackend(handle, by_reference=False)
-    for rid in ("relay-1", "relay-2"):
-        FIRST_TOKENS.watch(rid, lambda r, _t: heard.append(r))
-
-    async def read() -> list:
-        first = backend.open(EngineRequest("relay-1", [5], SamplingParams()), 0, 1)
-        items = [x async for x in first]
-        second = backend.open(EngineRequest("relay-2", [6], SamplingParams()), 0, 1)
-        items.append(await second.__anext__())
-        second.cancel()
-        return items
-
-    items = asyncio.run(read())
-    assert len(items) == 3 and isinstance(items[2], EngineError)
-    assert heard == ["relay-1"]
-    FIRST_TOKENS.unwatch("relay-2")

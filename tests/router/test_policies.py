@@ -148,26 +148,6 @@ def test_queued_prefill_of_the_requests_own_prefix_is_not_held_against_the_holde
     assert scores["a"].cost == 4.0 + 0.5 * 10 < scores["b"].cost == 30.0
 
 
-def test_first_token_keeps_a_later_request_on_the_holder() -> None:
-    # "a" got an 80-block prompt whose first 8 blocks a later request shares. While "a" is
-    # believed to be prefilling it, the later request is cheaper on idle "b"; once the first
-    # token says the prefill is over, the holder is the cheaper replica again.
-    long = list(range(2000, 2080))
-    later = long[:8] + [5, 6]
-    for signal in (False, True):
-        policy = make_policy("prefix_aware", rng=random.Random(0))
-        policy.apply_report("a", report("a", [], at=1.0), now=1.0)
-        policy.apply_report("b", report("b", [], at=1.0), now=1.0)
-        policy.on_request_routed("long", "a", long, now=1.5)
-        policy.apply_report(
-            "a", report("a", long, at=2.0, running=1, pending_prefill_tokens=80 * 16), now=2.0
-        )
-        if signal:
-            policy.on_request_first_token("long", now=2.5)
-        assert policy.view("a").estimated_prefill_blocks == (0 if signal else 80)
-        assert first(policy.rank(["a", "b"], later, now=2.6)) == ("a" if signal else "b")
-
-
 def test_imbalance_guard_overrides_a_long_cached_prefix() -> None:
     policy = prefix_policy(imbalance_abs=8, imbalance_rel=2.0)
     policy.apply_report("a", report("a", H, at=1.0, running=9), now=1.0)

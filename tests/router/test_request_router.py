@@ -26,7 +26,6 @@ from deployments.request_router import (
     request_session,
 )
 from deployments.request_router_config import request_router_config
-from router.first_token import FIRST_TOKENS
 from router.slo import VERDICTS
 from tests.router.support import report
 
@@ -197,34 +196,6 @@ def test_prefix_affinity_and_decision_hooks() -> None:
         router.on_request_completed(b.replica_id, "r2")
         assert view_b.num_in_flight == 0
         router.on_request_completed(b.replica_id, "never-routed")  # rejected: ignored
-
-    run(body)
-
-
-def test_a_relayed_first_item_ends_the_prompts_queued_prefill() -> None:
-    async def body() -> None:
-        router = make_router()
-        now = time.time()
-        a = FakeReplica("a", report("a", [], at=now))
-        b = FakeReplica("b", report("b", [], at=now))
-        router.update_replicas([a, b])
-        await settle()
-        long = pending(EngineRequest(block_hashes=H, request_id="e-long"), "s-long")
-        target = ids(await router.choose_replicas([a, b], long))[0][0]
-        router.on_request_routed(long, ReplicaID(target, DEPLOYMENT), None)
-        view = router.policy.view(target)
-        assert view.estimated_prefill_blocks == len(H)
-        # The ingress relays the first item, keyed by the engine request's own id; the router
-        # applies it before its next ranking.
-        assert FIRST_TOKENS.arrived("e-long", time.time())
-        later = pending(EngineRequest(block_hashes=[*H[:8], 1, 2], request_id="e-2"), "s-2")
-        assert ids(await router.choose_replicas([a, b], later))[0] == [target]
-        assert view.estimated_prefill_blocks == 2  # the later request's own two blocks
-        assert not FIRST_TOKENS.arrived("e-long", time.time())  # reported once
-        # A completed request is no longer listened for.
-        router.on_request_completed(ReplicaID(target, DEPLOYMENT), "s-2")
-        assert not FIRST_TOKENS.arrived("e-2", time.time())
-        assert view.estimated_prefill_blocks == 0
 
     run(body)
 

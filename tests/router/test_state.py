@@ -204,50 +204,6 @@ def test_prefill_of_other_routers_requests_stays_until_the_next_report() -> None
     assert view.estimated_prefill_blocks == 0
 
 
-def test_first_token_takes_its_prefill_out_of_the_estimate_at_once() -> None:
-    s = state()
-    s.on_request_routed("long", "a", H[:20], now=1.0)  # 20 blocks to prefill
-    view = s.views["a"]
-    # The report, taken while "long" was prefilling, counts its 20 blocks and 10 of others'.
-    s.apply_report("a", report("a", [], at=1.5, running=2, pending_prefill_tokens=480), now=1.5)
-    s.on_request_routed("new", "a", H[:16] + [7, 8, 9, 10], now=1.6)  # 4 uncached blocks
-    assert view.estimated_prefill_blocks == 30 + 4
-    # The first token of "long" comes: its prefill is over, while it still runs (decodes).
-    assert s.on_request_first_token("long", now=1.7)
-    assert view.estimated_prefill_blocks == 10 + 4
-    assert view.estimated_load == 3  # both still run: the reported 2 and "new"
-    assert s.on_request_first_token("new", now=1.8)  # routed after the report
-    assert view.estimated_prefill_blocks == 10
-    # A second signal, the completion, and unknown ids change nothing.
-    assert s.on_request_first_token("long", now=1.9)
-    s.on_request_completed("long", now=2.0)
-    s.on_request_completed("new", now=2.0)
-    assert not s.on_request_first_token("nobody", now=2.0)
-    assert view.estimated_prefill_blocks == 10
-    s.apply_report("a", report("a", [], at=2.5, running=0, pending_prefill_tokens=0), now=2.5)
-    assert view.estimated_prefill_blocks == 0
-
-
-def test_a_report_taken_before_a_first_token_does_not_bring_its_prefill_back() -> None:
-    # A report reaches the router a little after it was taken: one taken while "long" was
-    # prefilling may arrive after its first token. Those blocks are not other routers' work.
-    s = state()
-    s.on_request_routed("long", "a", H[:20], now=1.0)
-    view = s.views["a"]
-    s.on_request_first_token("long", now=2.0)
-    assert view.estimated_prefill_blocks == 0
-    s.apply_report("a", report("a", [], at=1.5, running=2, pending_prefill_tokens=480), now=2.1)
-    assert view.estimated_prefill_blocks == 10  # 30 reported, 20 of them "long"'s, done
-    # A request routed after that report was taken is not in its figure: nothing to discount.
-    s.on_request_routed("later", "a", [1, 2, 3], now=2.2)
-    s.on_request_first_token("later", now=2.3)
-    assert view.estimated_prefill_blocks == 10
-    # A report taken after both first tokens is the whole truth again.
-    s.apply_report("a", report("a", [], at=2.4, running=2, pending_prefill_tokens=0), now=2.4)
-    assert view.estimated_prefill_blocks == 0
-    assert not view.prefilled
-
-
 def test_report_validation() -> None:
     good = report("a", [1, 2], at=1.0)
     assert ReplicaReport.from_dict(good).cached_block_hashes == frozenset({1, 2})
