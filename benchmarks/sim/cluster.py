@@ -12,9 +12,14 @@ order and a run is deterministic for a seed. Four kinds:
 - ``STEP``: a replica's step ends: tokens are appended, first tokens and completions recorded
   (``on_request_completed``), the next step scheduled at once if there is work.
 - ``IMPORT``: imported blocks are installed and the request joins the replica's queue.
-- ``REPORT``: every ``stats_period_s`` each replica's routing stats (the dict
-  ``record_routing_stats()`` returns) go through ``policy.apply_report``. A replica where nothing
-  happened since its last report is skipped: its report would repeat the last one.
+- ``REPORT``: every ``stats_period_s`` the router asks each replica for its routing stats (the
+  dict ``record_routing_stats()`` returns, fed to ``policy.apply_report``). As a live replica
+  takes its snapshot on the engine thread between steps (``AsyncEngine.call``), an idle
+  replica reports at once and a stepping one when its step in progress ends (at that ``STEP``
+  event, after its tokens and completions, before the next step starts), stamped with that
+  time. If that step ends more than ``SNAPSHOT_TIMEOUT_S`` after the request, the snapshot is
+  dropped, as the live request times out and the router keeps the previous report. A replica
+  where nothing happened since its last report is skipped: its report would repeat the last one.
 
 Nodes: with ``replicas_per_node`` set, replica ``i`` runs on node ``i // replicas_per_node``; its
 reports carry its node id and the transfer cost ratios a live replica measures (from the
@@ -42,6 +47,10 @@ from benchmarks.sim.trace import SimRequestSpec
 from router import make_policy
 
 ARRIVAL, STEP, IMPORT, REPORT = 0, 1, 2, 3
+
+# How long a live router waits for a replica's snapshot (``record_routing_stats`` in
+# deployments/engine_replica.py) before it keeps the previous one.
+SNAPSHOT_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -168,6 +177,11 @@ class Cluster:
                     if directory is not None:
                         directory.publish(obj, request, self.node_of[obj.replica_id])
                 remaining -= self._complete(obj, finished, now)
+                due = obj.snapshot_due
+                if due is not None:
+                    obj.snapshot_due = None
+                    if now <= due:
+                        self._report(obj, now)
                 self._start(obj, now)
                 if finished and self._backlog:
                     self._drain_backlog(now)
@@ -182,10 +196,14 @@ class Cluster:
                     self._start(replica, now)
             elif kind == REPORT:
                 for replica in self.routed:
-                    if replica.changed:
-                        stats = replica.report(now)
-                        stats.update(self._topology.get(replica.replica_id, ()))
-                        policy.apply_report(replica.replica_id, stats, now)
+                    if not replica.changed:
+                        continue
+                    if replica.idle:
+                        self._report(replica, now)
+                    elif replica.snapshot_due is None or replica.snapshot_due < now:
+                        # Taken when the step in progress ends (an earlier request whose step
+                        # outlasted its timeout was dropped: the next poll asks again).
+                        replica.snapshot_due = now + SNAPSHOT_TIMEOUT_S
                 if remaining > 0:
                     if not heap:
                         raise RuntimeError(f"simulation stalled with {remaining} requests left")
@@ -201,6 +219,12 @@ class Cluster:
             num_events=num_events,
             wall_s=time.perf_counter() - started,
         )
+
+    def _report(self, replica: SimReplica, now: float) -> None:
+        """``replica``'s routing stats, taken at ``now``, to the router."""
+        stats = replica.report(now)
+        stats.update(self._topology.get(replica.replica_id, ()))
+        self.policy.apply_report(replica.replica_id, stats, now)
 
     def _complete(self, replica: SimReplica, finished: list[SimRequest], now: float) -> int:
         """Requests ``replica`` finished at ``now``; returns how many trace requests completed."""

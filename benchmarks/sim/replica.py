@@ -149,6 +149,8 @@ class SimReplica:
         self.num_routed = 0
         self.num_importing = 0  # routed here, fetching KV before joining the queue
         self.changed = True  # anything happened since the last report
+        # A snapshot asked for during a step: taken when the step ends, if by this time.
+        self.snapshot_due: float | None = None
 
     # -- requests ----------------------------------------------------------------------------
     def fits(self, request: SimRequest) -> bool:

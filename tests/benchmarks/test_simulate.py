@@ -87,6 +87,42 @@ def test_ttft_floor_is_what_an_idle_replica_gives_each_request_alone(tmp_path: P
     assert floors[1] < floors[0] / 5  # the second request prefills only its new block
 
 
+def _recorded_reports(cluster: Cluster) -> list[dict]:
+    reports: list[dict] = []
+    apply = cluster.policy.apply_report
+
+    def record(replica_id: str, stats: dict, now: float) -> bool:
+        reports.append(dict(stats, applied_at=now))
+        return apply(replica_id, stats, now)
+
+    cluster.policy.apply_report = record  # type: ignore[method-assign]
+    return reports
+
+
+@pytest.mark.parametrize(
+    ("prefill_token_s", "reported_at"), [(2e-3, 0.001 + 640 * 2e-3), (5e-3, 4.0)]
+)
+def test_a_replica_reports_between_steps(
+    tmp_path: Path, prefill_token_s: float, reported_at: float
+) -> None:
+    # One 640-token prompt at t=0 prefills in one step; the router asks for a report at 1 s.
+    # A live replica takes the snapshot after the step in progress: at its end if that comes
+    # within the 2 s timeout (2e-3 s per token: 1.281 s), with the prefill done; otherwise
+    # (3.2 s) the snapshot is dropped, and the first report is the idle replica's at 4 s.
+    specs = load_trace(
+        _write_trace(tmp_path / "t.jsonl", [_record(0, [*range(41)], 0)]), block_tokens=BLOCK
+    )
+    assert specs[0].prompt_len == 640
+    profile = Profile("slow", StepCost(base_s=0.001, prefill_token_s=prefill_token_s))
+    cluster = Cluster(profile, ClusterConfig(replicas=1, capacity_blocks=1000, block_tokens=BLOCK))
+    reports = _recorded_reports(cluster)
+    run = cluster.run(specs)
+    assert run.requests[0].first_token_time == pytest.approx(0.001 + 640 * prefill_token_s)
+    assert reports[0]["reported_at"] == pytest.approx(reported_at)
+    assert reports[0]["applied_at"] == reports[0]["reported_at"]
+    assert reports[0]["num_pending_prefill_tokens"] == 0
+
+
 def test_one_shared_prefix_hits_all_but_the_first(tmp_path: Path) -> None:
     n = 20
     # 10 shared full blocks, then a partial block unique to each request (id 100 + i).
