@@ -62,31 +62,34 @@ def main(argv: list[str] | None = None) -> None:
     variants = {"last layer for every row": (batch, None)}
     if args.compare == "prune":
         variants["last layer for sampled rows"] = (batch, batch.logits_indices)
-    elif args.compare == "native":
-        backend = runner.backend
-        if not hasattr(backend, "native_max_pairs"):
-            raise SystemExit(f"--compare native needs the cpu attention backend, not {backend}")
-        chosen = backend.native_max_pairs
-        backend.native_max_pairs = NATIVE_MAX_PAIRS
-        sdpa = runner.prepare(seqs)
-        backend.native_max_pairs = None
-        every = runner.prepare(seqs)
-        backend.native_max_pairs = chosen
-        variants = {
-            "long chunks on SDPA": (sdpa, sdpa.logits_indices),
-            "every chunk native": (every, every.logits_indices),
-        }
     else:
+        # Two plans of the same step, each prepared with one setting of the CPU backend.
+        attr, settings = {
+            "native": (
+                "native_max_pairs",
+                {
+                    "long chunks on SDPA": NATIVE_MAX_PAIRS,
+                    "every chunk native": None,
+                },
+            ),
+            "sdpa-batch": (
+                "batch_whole_prompts",
+                {
+                    "an SDPA call per prompt": False,
+                    "prompts batched in SDPA": True,
+                },
+            ),
+        }[args.compare]
         backend = runner.backend
-        if not hasattr(backend, "batch_whole_prompts"):
-            raise SystemExit(f"--compare sdpa-batch needs the cpu attention backend, not {backend}")
-        backend.batch_whole_prompts = False
-        alone = runner.prepare(seqs)
-        backend.batch_whole_prompts = True
-        variants = {
-            "an SDPA call per prompt": (alone, alone.logits_indices),
-            "prompts batched in SDPA": (batch, batch.logits_indices),
-        }
+        if not hasattr(backend, attr):
+            raise SystemExit(f"--compare {args.compare} needs the cpu attention backend")
+        chosen = getattr(backend, attr)
+        variants = {}
+        for name, value in settings.items():
+            setattr(backend, attr, value)
+            prepared = runner.prepare(seqs)
+            variants[name] = (prepared, prepared.logits_indices)
+        setattr(backend, attr, chosen)
 
     def forward(variant: str) -> float:
         b, keep = variants[variant]

@@ -17,6 +17,16 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } tile_config;
+
+/* All eight tiles 16 rows x 64 bytes (16 x 32 bf16 or 16 x 16 float32), for this thread. */
+static inline void amx_configure_16x64(void) {
+    tile_config cfg = {.palette_id = 1};
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
 #endif
 
 int amx_linear_available(void);

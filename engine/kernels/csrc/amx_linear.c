@@ -38,16 +38,6 @@ int amx_linear_available(void) {
     return amx_linear_state == 1;
 }
 
-static void configure_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 /* The weight pair this many pairs ahead is requested into L2 during the first row pass. */
 #define PREFETCH_PAIRS 4
@@ -83,7 +73,7 @@ int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const 
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel num_threads(num_threads)
     {
-        configure_tiles();
+        amx_configure_16x64();
         const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
         /* Contiguous pairs per thread: each streams one run of the packed weight. */
         const int64_t p0 = NP * tid / nt, p1 = NP * (tid + 1) / nt;

@@ -36,16 +36,6 @@
 
 int amx_prefill_available(void) { return amx_linear_available(); }
 
-static void configure_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 static _Thread_local char *scratch = NULL;
 static _Thread_local size_t scratch_size = 0;
@@ -130,7 +120,7 @@ int amx_attend_tile(const bf16_tile_args *a, int64_t qtok, int64_t first_pos, in
     for (size_t i = 0; i < rows; i++) M[i] = NEG_BIG, L[i] = 0.0f;
     const __m512i lo_idx = _mm512_loadu_si512(pair_lo), hi_idx = _mm512_loadu_si512(pair_hi);
     const float scale = a->scale;
-    configure_tiles();
+    amx_configure_16x64();
 
     for (int64_t p0 = kv_start; p0 < kv_end; p0 += KB) {
         const int nk = kv_end - p0 < KB ? (int)(kv_end - p0) : KB;
