@@ -22,10 +22,11 @@
  * through the keys together in one pass with an online softmax: each cached K/V row is read
  * once per tile, no buffer grows with the context, and keys are scored 16 at a time with one
  * transposing horizontal sum; in bf16 with AVX512-BF16 the rows are vector lanes instead
- * (attention_tile_bf16.c), and with AMX an item is 16 tokens of every query head of one KV head,
- * scored and summed by tile multiplies (attention_amx.c). Decodes (one token): scores of all keys first (AMX tile
- * multiplies for bf16 where the CPU and kernel allow, else a vector loop), one softmax, then the
- * weighted sum of values; for a single query token that measured faster than the online pass.
+ * (attention_tile_bf16.c), and with AMX an item is 16 tokens of every query head of one KV
+ * head, scored and summed by tile multiplies (attention_amx.c). Decodes (one token): scores of
+ * all keys first (AMX tile multiplies for bf16 where the CPU and kernel allow, else a vector
+ * loop), one softmax, then the weighted sum of values; for a single query token that measured
+ * faster than the online pass.
  */
 #include <math.h>
 #include <stdint.h>
@@ -641,7 +642,7 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache,
     const int group = num_heads / num_kv_heads;
     if (group > MAX_ROWS || head_dim > MAX_HEAD_DIM) return -2;
     if (kv_start % block_size) return -3;
-    const attn_args a = {q, k_cache, v_cache, block_tables, seq_lens, query_start, query_len, out, lse,
+    attn_args a = {q, k_cache, v_cache, block_tables, seq_lens, query_start, query_len, out, lse,
                          num_heads, group, head_dim, block_size, dtype, bt_stride, q_stride,
                          out_stride, (int64_t)num_kv_heads * head_dim, kv_start, scale,
 #if defined(HAVE_AMX)
@@ -652,8 +653,7 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache,
                          0
 #endif
     };
-    attn_args args = a;
-    args.amx_prefill = a.amx_scores && head_dim <= BF16_TILE_MAX_DIM;
+    a.amx_prefill = a.amx_scores && head_dim <= BF16_TILE_MAX_DIM;
     const int tile = MAX_ROWS / group; /* query tokens per item */
 
     /* Items: every sequence's query tiles, split by KV head when there are too few to keep the
@@ -664,7 +664,7 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache,
         num_tiles += (query_len[s] + tile - 1) / tile;
     const int splits = num_tiles < 4 * (int64_t)num_threads ? num_kv_heads : 1;
     for (int s = 0; s < num_seqs; s++) {
-        if (query_len[s] > 1 && args.amx_prefill)
+        if (query_len[s] > 1 && a.amx_prefill)
             num_items += (query_len[s] + AMX_TILE_TOKENS - 1) / AMX_TILE_TOKENS * num_kv_heads;
         else
             num_items += (query_len[s] + tile - 1) / tile * splits;
@@ -674,7 +674,7 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache,
     if (items == NULL) return -1;
     int64_t k = 0;
     for (int s = 0; s < num_seqs; s++) {
-        const int amx = query_len[s] > 1 && args.amx_prefill;
+        const int amx = query_len[s] > 1 && a.amx_prefill;
         const int64_t step = amx ? AMX_TILE_TOKENS : tile;
         const int parts = amx ? num_kv_heads : splits;
         for (int64_t t = 0; t < query_len[s]; t += step)
@@ -697,28 +697,28 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache,
         const int64_t qlen = query_len[s];
         if (qlen == 1) {
 #if defined(HAVE_AMX)
-            if (splits == 1 && args.amx_scores) {
-                if (attend_decode_heads_amx(&args, s) != 0) failed = 1;
+            if (splits == 1 && a.amx_scores) {
+                if (attend_decode_heads_amx(&a, s) != 0) failed = 1;
                 continue;
             }
 #endif
             for (int h = h0; h < h1; h++)
-                if (attend_decode(&args, s, h) != 0) failed = 1;
+                if (attend_decode(&a, s, h) != 0) failed = 1;
             continue;
         }
-        if (args.amx_prefill) {
+        if (a.amx_prefill) {
             const int64_t t1 = t0 + AMX_TILE_TOKENS < qlen ? t0 + AMX_TILE_TOKENS : qlen;
             const bf16_tile_args b = {(const uint16_t *)q, (const uint16_t *)k_cache,
                                       (const uint16_t *)v_cache, block_tables + (int64_t)s * bt_stride,
                                       (uint16_t *)out, lse, num_heads, group, head_dim, block_size,
-                                      q_stride, out_stride, args.row, scale};
+                                      q_stride, out_stride, a.row, scale};
             if (amx_attend_tile(&b, query_start[s] + t0, seq_lens[s] - qlen + t0, (int)(t1 - t0), h0,
                                 kv_start) != 0)
                 failed = 1;
             continue;
         }
         const int64_t t1 = t0 + tile < qlen ? t0 + tile : qlen;
-        attend_tile(&args, s, t0, t1, h0, h1);
+        attend_tile(&a, s, t0, t1, h0, h1);
     }
     free(items);
     return failed ? -1 : 0;
