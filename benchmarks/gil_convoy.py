@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> None:
                 decode.append((timed(batch, 17) - timed(batch, 1)) / 16)
             print(
                 f"{'spinning' if busy else 'none':>13} {interval_ms:>6.1f} ms "
-                f"{statistics.median(prefill) * 1000:>12.0f} ms "
-                f"{statistics.median(decode) * 1000:>13.1f} ms",
+                f"{statistics.median(prefill) * 1000:>12.1f} ms "
+                f"{statistics.median(decode) * 1000:>13.2f} ms",
                 flush=True,
             )
     spinning.clear()
