@@ -203,6 +203,14 @@ class AppArgs(_Strict):
     # ~1-3 ms of CPU across the replica, the ingress and the proxy (docs/benchmarks.md);
     # the KubeRay manifests set 25 (serve_config.yaml's direct layout leaves it unset).
     stream_items_per_s: float | None = Field(None, gt=0)
+    # An idle engine replica that receives a request keeps taking the requests that arrive
+    # within this many ms of the previous one (for batch_wait_max_ms at most, and only until the
+    # waiting prompts fill a step) before it starts computing: a burst of concurrent requests
+    # then starts in one step instead of behind its first request's lone step. A request alone
+    # waits this long more for its first token. 0: off. Measured: docs/benchmarks.md ("An idle
+    # replica gathers a burst").
+    batch_wait_ms: float = Field(10.0, ge=0)
+    batch_wait_max_ms: float = Field(100.0, gt=0)
     # How the ingress reaches engine replicas: "actor" (Ray actor calls) or "grpc" (Serve's gRPC
     # channel to the replica: about a quarter less ingress CPU per stream item, which matters at
     # a message per token and was lost in the noise at the default item budget).

@@ -111,6 +111,8 @@ class EngineReplica:
             items_per_s=self.args.stream_items_per_s,
             cpus=self.cpus,
             stall_timeout_s=self.args.engine_stall_timeout_s,
+            batch_wait_s=self.args.batch_wait_ms / 1000.0,
+            batch_wait_max_s=self.args.batch_wait_max_ms / 1000.0,
         )
         self.async_engine.on_death = self._on_engine_death
         self.metrics = ReplicaMetrics(self.replica_id, self.args.model_name, ray_export=True)

@@ -442,3 +442,93 @@ def test_slow_steps_within_the_bound_and_idle_time_are_no_stall(
 def test_the_stall_bound_must_be_positive(engine: LLMEngine) -> None:
     with pytest.raises(ValueError, match="stall_timeout_s"):
         AsyncEngine(engine, stall_timeout_s=0)
+
+
+def first_step_requests(monkeypatch: pytest.MonkeyPatch, engine: LLMEngine) -> list[set[str]]:
+    """Record the requests the engine holds at its first step (one set, once it has run)."""
+    seen: list[set[str]] = []
+    real_step = engine.step
+
+    def step() -> list:
+        if not seen:
+            seen.append(set(engine.scheduler.requests))
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+    return seen
+
+
+def test_an_idle_engine_starts_a_burst_in_one_step(
+    monkeypatch: pytest.MonkeyPatch, engine: LLMEngine
+) -> None:
+    with pytest.raises(ValueError, match="batch_wait"):
+        AsyncEngine(engine, batch_wait_s=-1.0)
+    seen = first_step_requests(monkeypatch, engine)
+    ae = AsyncEngine(engine, idle_wait_s=0.01, batch_wait_s=1.0, batch_wait_max_s=5.0)
+    ae.start()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    try:
+
+        async def run() -> list[list[int]]:
+            first = asyncio.ensure_future(consume(ae, "a", params))
+            await asyncio.sleep(0.2)  # within the 1 s gap: b joins a's first step
+            return await asyncio.gather(first, consume(ae, "b", params))
+
+        outs = asyncio.run(asyncio.wait_for(run(), DEADLINE_S))
+    finally:
+        ae.shutdown(timeout=5.0)
+    assert seen == [{"a", "b"}]
+    assert [len(o) for o in outs] == [4, 4]
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_without_a_wait_the_first_request_of_a_burst_runs_alone(
+    monkeypatch: pytest.MonkeyPatch, engine: LLMEngine
+) -> None:
+    seen = first_step_requests(monkeypatch, engine)
+    ae = AsyncEngine(engine, idle_wait_s=0.01)  # batch_wait_s 0: no wait
+    ae.start()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    try:
+
+        async def run() -> None:
+            first = asyncio.ensure_future(consume(ae, "a", params))
+            await asyncio.sleep(1.0)
+            await asyncio.gather(first, consume(ae, "b", params))
+
+        asyncio.run(asyncio.wait_for(run(), DEADLINE_S))
+    finally:
+        ae.shutdown(timeout=5.0)
+    assert seen == [{"a"}]
+
+
+def test_a_lone_request_waits_one_gap_and_a_full_step_none(tiny_llama: Path) -> None:
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama),
+            dtype="float32",
+            device="cpu",
+            num_kv_blocks=64,
+            max_num_seqs=8,
+            max_num_batched_tokens=16,
+        )
+    )
+    ae = AsyncEngine(engine, idle_wait_s=0.01, batch_wait_s=2.0, batch_wait_max_s=30.0)
+    ae.start()
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    async def first_token_s(prompt: list[int], request_id: str) -> float:
+        start = time.monotonic()
+        async for _ in ae.generate(request_id, prompt, params):
+            return time.monotonic() - start
+        raise AssertionError("no output")
+
+    try:
+        lone = asyncio.run(asyncio.wait_for(first_token_s([5, 6, 7, 8], "lone"), DEADLINE_S))
+        # A prompt that fills a step by itself: nothing could join it, so it does not wait.
+        full = asyncio.run(asyncio.wait_for(first_token_s(list(range(5, 25)), "full"), DEADLINE_S))
+    finally:
+        ae.shutdown(timeout=5.0)
+    assert lone >= 2.0
+    assert full < 1.0, full
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
