@@ -102,10 +102,11 @@ class ReplicaView:
         self.reported_own_prefill = 0
         self.foreign_prefill = 0
         # Blocks the replica's reports show it wrote into its cache (hashes new since the previous
-        # report), in all, and as (report time, running total) after each report that showed
-        # some, oldest first, trimmed to what ``eviction_horizon`` needs.
+        # report), in all, and as (previous report's time, report time, running total, blocks)
+        # after each report that showed some, oldest first, trimmed to what
+        # ``eviction_horizon`` needs: that report's blocks were written between the two times.
         self.intake_blocks = 0
-        self._intake_log: deque[tuple[float, int]] = deque()
+        self._intake_log: deque[tuple[float, float, int, int]] = deque()
 
     @property
     def num_in_flight(self) -> int:
@@ -162,18 +163,19 @@ class ReplicaView:
                     return i
         return len(block_hashes)
 
-    def add_intake(self, blocks: int, now: float) -> None:
-        """The replica wrote ``blocks`` new blocks into its cache by ``now``."""
+    def add_intake(self, blocks: int, now: float, since: float = _NEVER) -> None:
+        """The replica wrote ``blocks`` new blocks into its cache after ``since`` (its previous
+        report; ``-inf``: unknown) and by ``now``."""
         if blocks <= 0:
             return
         self.intake_blocks += blocks
         log = self._intake_log
-        log.append((now, self.intake_blocks))
+        log.append((since, now, self.intake_blocks, blocks))
         capacity = self.kv_total_blocks
         if capacity:
             # Entries at or below the horizon's running total are never read again.
             floor = self.intake_blocks - capacity
-            while len(log) > 1 and log[0][1] <= floor:
+            while len(log) > 1 and log[0][2] <= floor:
                 log.popleft()
 
     def eviction_key(self) -> tuple[bool, float]:
@@ -188,19 +190,28 @@ class ReplicaView:
 
     def eviction_horizon(self) -> float:
         """How old the blocks are that new blocks would evict here, as far as the replica's
-        reports tell: the time of the report by which the oldest of its latest KV capacity
-        (``kv_total_blocks``) of written blocks had been written. Each block written since
-        pushed an older one out of the LRU cache, so earlier is better for a new prompt.
-        ``-inf`` while the cache has not yet filled (or its size is not reported): new blocks
-        evict nothing. A block reused since it was written moves to the young end of the LRU,
-        which this ignores, so the oldest block is, if anything, older."""
+        reports tell: when the oldest of its latest KV capacity (``kv_total_blocks``) of
+        written blocks was written. Each block written since pushed an older one out of the LRU
+        cache, so earlier is better for a new prompt. A report says only that its new blocks
+        were written since the previous report, so they are taken as written at an even pace
+        in between: the *k*-th of *m* at ``k / m`` of the interval (the report's own time for
+        the first report, whose interval is unknown). Rounding to the report's time instead
+        would give every replica whose oldest block falls in the same report period the same
+        horizon, however much of the period's writes came after it. ``-inf`` while the cache
+        has not yet filled (or its size is not reported): new blocks evict nothing. A block
+        reused since it was written moves to the young end of the LRU, which this ignores, so
+        the oldest block is, if anything, older."""
         capacity = self.kv_total_blocks
         if not capacity or self.intake_blocks < capacity:
             return _NEVER
         floor = self.intake_blocks - capacity
-        for written_at, total in self._intake_log:
+        for since, written_at, total, blocks in self._intake_log:
             if total > floor:
-                return written_at
+                if since == _NEVER:
+                    return written_at
+                # The oldest block kept is write number floor + 1, the k-th of this report's.
+                k = floor + 1 - (total - blocks)
+                return since + (written_at - since) * k / blocks
         return _NEVER
 
     def set_load(self, load: int, at: float) -> None:
@@ -308,7 +319,9 @@ class ClusterState:
         view.kv_total_blocks = report.kv_total_blocks
         # Blocks written since the previous report (a prompt's, an answer's, an import's): the
         # hashes it did not list. The first report counts its whole cache as written then.
-        view.add_intake(len(report.cached_block_hashes - view.cached), report.reported_at)
+        view.add_intake(
+            len(report.cached_block_hashes - view.cached), report.reported_at, view.report_at
+        )
         view.cached = report.cached_block_hashes
         view.transfer_cost_ratio = report.transfer_cost_ratio
         view.cross_node_transfer_cost_ratio = report.cross_node_transfer_cost_ratio

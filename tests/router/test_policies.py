@@ -367,6 +367,20 @@ def test_a_prompt_nobody_holds_goes_where_the_cache_evicts_the_oldest_blocks() -
     assert set(off.counters) <= {"prefix_home", "fallback"}
 
 
+def test_a_new_prompt_goes_where_the_oldest_block_was_written_earliest_in_a_report_period() -> None:
+    # Both caches (capacity 10) filled by 1.0 and rewrote themselves between 1.0 and 2.0; by
+    # 3.0 "a" wrote 8 more blocks and "b" 2, so a's oldest block left is the 9th of those written
+    # between 1.0 and 2.0 and b's the 3rd. Both were reported at 2.0: the report period is
+    # split by the writes in it, and the prompt goes to "b", whose blocks to evict are older
+    # (not to "a", the least replica id, on a tie at the report's time).
+    policy = prefix_policy(evict_oldest=True)
+    for r, base, more in (("a", 0, 8), ("b", 100, 2)):
+        for at, start in ((1.0, base), (2.0, base + 10), (3.0, base + 10 + more)):
+            policy.apply_report(r, report(r, range(start, start + 10), at=at, total=10), now=at)
+    assert first(policy.rank(["a", "b"], list(range(1000, 1006)), 3.5)) == "b"
+    assert policy.counters == {"evict_oldest": 1}
+
+
 def test_cold_prompts_spread_over_equal_replicas_by_what_each_has_written() -> None:
     # Reports show how much each replica wrote: routing cold prompts to the fewest written,
     # report after report, keeps the replicas' writes within one prompt of each other.

@@ -339,12 +339,30 @@ def test_eviction_horizon_follows_the_blocks_the_reports_show_written() -> None:
     s.apply_report("a", report("a", range(2, 12), at=3.0, total=10), now=3.0)
     assert view.intake_blocks == 12
     assert view.eviction_key() == (True, 1.0)
-    # The same snapshot again writes nothing; 6 new blocks make block 8 (written by 3.0) the
-    # oldest left.
+    # The same snapshot again writes nothing; 6 new blocks make block 8 the oldest left, the
+    # first of the 4 written between the reports at 2.0 and 3.0: taken as written at 2.25.
     s.apply_report("a", report("a", range(2, 12), at=4.0, total=10), now=4.0)
     s.apply_report("a", report("a", range(8, 18), at=5.0, total=10), now=5.0)
     assert view.intake_blocks == 18
+    assert view.eviction_key() == (True, 2.25)
+    # 3 more: block 11, the last of those 4, is the oldest left, written by 3.0.
+    s.apply_report("a", report("a", range(11, 21), at=6.0, total=10), now=6.0)
     assert view.eviction_key() == (True, 3.0)
+
+
+def test_eviction_horizon_spreads_a_reports_writes_over_its_period() -> None:
+    # Capacity 10. Both replicas write 10 blocks by 1.0 and 10 more between 1.0 and 2.0; then
+    # "a" writes 8 more and "b" 2. a's oldest kept block is the 9th of the 10 written between
+    # 1.0 and 2.0, b's the 3rd: both reported at 2.0, but b's was written earlier.
+    s = state()
+    for r, base, more in (("a", 0, 8), ("b", 100, 2)):
+        s.apply_report(r, report(r, range(base, base + 10), at=1.0, total=10), now=1.0)
+        s.apply_report(r, report(r, range(base + 10, base + 20), at=2.0, total=10), now=2.0)
+        s.apply_report(
+            r, report(r, range(base + 10 + more, base + 20 + more), at=3.0, total=10), now=3.0
+        )
+    assert s.view("a").eviction_key() == (True, pytest.approx(1.9))
+    assert s.view("b").eviction_key() == (True, pytest.approx(1.3))
 
 
 def test_a_restarted_replica_counts_its_writes_afresh() -> None:
