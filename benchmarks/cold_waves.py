@@ -32,7 +32,7 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -146,22 +146,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     if args.waves < 1:
         ap.error("--waves: must be >= 1")
 
-    from benchmarks.compare_vllm import default_venv, find_tcmalloc
     from engine.model.loader import resolve_model
 
     spec = servers.read_serve_config(args.config)
     model_dir = resolve_model(spec.model)
     starters = {}
     if not args.skip_vllm:
-        vspec = servers.VllmServerSpec(
-            python=servers.vllm_python(args.venv or default_venv()),
-            model_dir=model_dir,
-            served_model_name=spec.served_model_name,
-            dtype=servers.resolved_dtype(spec.dtype, spec.device),
-            port=args.vllm_port,
-            threads_bind=servers.cpu_list(),
-            ld_preload=find_tcmalloc("auto"),
-        )
+        vspec = servers.vllm_spec_for(spec, model_dir, port=args.vllm_port, venv=args.venv)
         starters["vllm"] = lambda log: servers.start_vllm(vspec, log)
     starters["ours"] = lambda log: servers.start_ours(spec, log)
     work = Path(tempfile.mkdtemp(prefix="cold_waves-"))
@@ -205,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     if "ours" in summary and "vllm" in summary and summary["ours"]["median_wave_max_ms"] > 0:
         ratio = summary["vllm"]["median_wave_max_ms"] / summary["ours"]["median_wave_max_ms"]
         print(f"wave max, vLLM / ours: {ratio:.2f}x (> 1: ours is faster)")
-    result = {"kind": args.kind, "waves": [w.__dict__ for w in waves], "summary": summary}
+    result = {"kind": args.kind, "waves": [asdict(w) for w in waves], "summary": summary}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return result

@@ -283,25 +283,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     workloads = [w for w in args.workloads.split(",") if w]
 
-    from benchmarks.compare_vllm import default_venv, find_tcmalloc
     from engine.model.loader import resolve_model
 
     work = Path(tempfile.mkdtemp(prefix="compare_serving-"))
     print(f"logs and raw results: {work}", flush=True)
     spec = servers.read_serve_config(args.config)
     model_dir = resolve_model(spec.model)  # converted once up front, as `make serve` does
-    dtype = servers.resolved_dtype(spec.dtype, spec.device)
-    py = servers.vllm_python(args.venv or default_venv())
-    vspec = servers.VllmServerSpec(
-        python=py,
-        model_dir=model_dir,
-        served_model_name=spec.served_model_name,
-        dtype=dtype,
+    vspec = servers.vllm_spec_for(
+        spec,
+        model_dir,
         port=args.vllm_port,
+        venv=args.venv,
+        tcmalloc=args.vllm_tcmalloc,
         kv_space_gb=args.vllm_kv_space_gb,
-        threads_bind=servers.cpu_list(),
-        ld_preload=find_tcmalloc(args.vllm_tcmalloc),
     )
+    py, dtype = vspec.python, vspec.dtype
     extra = {w: workload_args(w, work, args.num_prompts_scale) for w in workloads}
     meta: dict[str, Any] = {
         **machine_info(),

@@ -384,6 +384,34 @@ def start_vllm(spec: VllmServerSpec, log_path: Path) -> ServerProcess:
     )
 
 
+def vllm_spec_for(
+    spec: OurServerSpec,
+    model_dir: Path,
+    *,
+    port: int = 8001,
+    venv: Path | None = None,
+    tcmalloc: str = "auto",
+    kv_space_gb: float = 4,
+) -> VllmServerSpec:
+    """vLLM's OpenAI server as the peer of our server ``spec``: the model directory it serves
+    (``model_dir``, the HF directory ``spec.model`` converts into), the dtype ``spec`` resolves to
+    on this machine, OpenMP threads bound to every CPU of this process, and tcmalloc (``auto``:
+    the system's, where there is one; ``none``; or a path), from vLLM's own virtualenv (``venv``,
+    else ``compare_vllm``'s default, installed on first use)."""
+    from benchmarks.compare_vllm import default_venv, find_tcmalloc
+
+    return VllmServerSpec(
+        python=vllm_python(venv or default_venv()),
+        model_dir=model_dir,
+        served_model_name=spec.served_model_name,
+        dtype=resolved_dtype(spec.dtype, spec.device),
+        port=port,
+        kv_space_gb=kv_space_gb,
+        threads_bind=cpu_list(),
+        ld_preload=find_tcmalloc(tcmalloc),
+    )
+
+
 def vllm_python(venv: Path, wait_s: float = 3600.0) -> Path:
     """The vLLM venv's interpreter: waits for an install that another process is running
     (its python runs pip), installs it here otherwise (``compare_vllm.ensure_vllm_venv``)."""
