@@ -115,6 +115,13 @@ def row(policy: str, workload: str, s: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def round_order(policies: list[str], round_: int) -> list[str]:
+    """The policies in the order round ``round_`` runs them: as given, then reversed, taking
+    turns, so that no policy always runs first (straight after the previous round's service
+    shut down) or last."""
+    return policies if round_ % 2 == 0 else policies[::-1]
+
+
 MEDIAN_FIELDS = ("hit_ratio", "ttft_p50_ms", "ttft_p99_ms", "output_tok_s", "req_s")
 
 
@@ -162,7 +169,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--workloads", default="shared-prefix,no-sharing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--log-dir", type=Path, default=None, help="each service's log goes here")
+    p.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="each service's log and each run's per-request results go here",
+    )
     # On a shared 2-core machine one run's TTFT percentiles move by a fifth between identical
     # runs; rounds take the policies in turn (a fresh service each time, the same prompts) and
     # the table shows each figure's median over them.
@@ -182,7 +194,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     runs = []
     for round_ in range(args.rounds):
-        for policy, config in configs.items():
+        for policy in round_order(list(configs), round_):
+            config = configs[policy]
             log = None
             if args.log_dir is not None:
                 log = args.log_dir / f"serve-{policy}-{round_}.log"
@@ -191,7 +204,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 for name, wl in workloads(args).items():
                     if name not in selected:
                         continue
-                    summary = bench.main(["--base-url", url, *wl])
+                    extra = []
+                    if args.log_dir is not None:  # every request's timings, for reading a tail
+                        out = args.log_dir / f"requests-{policy}-{name}-{round_}.json"
+                        extra = ["--output-json", str(out), "--save-requests"]
+                    summary = bench.main(["--base-url", url, *wl, *extra])
                     runs.append({**row(policy, name, summary), "round": round_})
     rows = medians(runs)
     print()

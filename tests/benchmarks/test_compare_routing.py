@@ -59,3 +59,10 @@ def test_rounds_are_summarized_by_their_medians() -> None:
     assert (a["ttft_p50_ms"], a["ttft_p99_ms"], a["hit_ratio"]) == (200, 2000, 0.5)
     assert a["max_replica_share"] == 0.7
     assert (b["policy"], b["rounds"], b["ttft_p50_ms"]) == ("b", 1, 900)
+
+
+def test_rounds_take_the_policies_in_turn() -> None:
+    policies = ["prefix_aware", "ray_prefix_affinity", "power_of_two"]
+    assert compare_routing.round_order(policies, 0) == policies
+    assert compare_routing.round_order(policies, 1) == policies[::-1]
+    assert compare_routing.round_order(policies, 2) == policies
