@@ -106,6 +106,45 @@ def test_native_attention_matches_reference(
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size",
+    [(9, 3, 64, 16), (8, 2, 64, 32), (8, 1, 64, 16), (4, 2, 128, 16)],
+    ids=["smollm2", "group4-block32", "group8", "dim128"],
+)
+@pytest.mark.parametrize("kv_start_blocks", [0, 1])
+def test_native_attention_of_a_decode_batch_matches_reference(
+    dtype, heads, kv_heads, head_dim, block_size, kv_start_blocks
+):
+    """A batch of decodes large enough that each sequence is one work item over all its KV
+    heads (a decode step's path; with bf16 on AMX, every head's scores from whole cache rows in
+    one pass over the keys): contexts shorter than a chunk of 16 keys, exactly one, one past,
+    across blocks, and long ones whose highest scores come late; a sequence whose keys all lie
+    before kv_start gets zeros and a log-sum-exp of -inf."""
+    bs = block_size
+    gen = random.Random(5)
+    lens = [1, 15, 16, 17, bs, bs + 1, 2 * bs + 3, 300] + [gen.randint(1, 260) for _ in range(56)]
+    qlens = [1] * len(lens)
+    q, k_cache, v_cache, tables = _random_batch(
+        dtype, heads, kv_heads, head_dim, bs, lens, qlens, seed=11
+    )
+    # Late keys that score far above the rest: the running maximum must rescale the sums.
+    k_cache[tables[7, -(-300 // bs) - 1]] *= 6
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"))
+    kv_start = kv_start_blocks * bs
+    scale = head_dim**-0.5
+    args = (tables, torch.tensor(lens), _starts(qlens), torch.tensor(qlens))
+    native.paged_attention(q, k_cache, v_cache, *args, out, scale, kv_start=kv_start, lse=lse)
+    expected, expected_lse = reference_attention(
+        q, k_cache, v_cache, tables, lens, qlens, scale, kv_start
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-4)
+
+
+@needs_compiler
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,block_size",
     [(9, 3, 64, 16), (8, 1, 64, 32), (4, 4, 128, 16), (16, 16, 32, 48)],
