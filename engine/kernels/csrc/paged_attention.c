@@ -141,21 +141,43 @@ static void qk_scores(const float *qf, const void *k_cache, const int64_t *table
     }
 }
 
+/* Values this many tokens ahead of the one being summed are requested into L1: the value rows
+ * of a decode are read once, a head's slice (128 bytes in bf16) of each, far apart, which the
+ * hardware prefetchers do not follow. */
+#define PV_PREFETCH_AHEAD 32
+
+/* Requests into L1 the bytes of value row t (one KV head's slice, head_dim elements of elem
+ * bytes at element head_off of the row). */
+static inline void prefetch_value(const void *v_cache, const int64_t *table, int64_t t,
+                                  int block_size, int64_t row, int64_t head_off, int head_dim,
+                                  int elem) {
+    const char *p = (const char *)v_cache +
+                    (size_t)elem * (size_t)((table[t / block_size] * block_size + t % block_size) *
+                                                row + head_off);
+    for (int l = 0; l < head_dim * elem; l += 64) __builtin_prefetch(p + l, 0, 3);
+}
+
 /* acc[g] = sum_t p[g, t] * v_t over the same keys. */
 static void pv_accumulate(const float *probs, const void *v_cache, const int64_t *table,
                           int64_t ctx, int group, int head_dim, int block_size, int64_t row,
                           int64_t head_off, int dtype, float *acc, float *tmp) {
 #if defined(HAVE_VEC16)
     if (head_dim == 64 && group <= 4) {
+        const int elem = dtype == 1 ? 2 : 4;
         vf16 a[4][4];
         for (int g = 0; g < 4; g++)
             for (int c = 0; c < 4; c++) a[g][c] = v16_zero();
+        for (int64_t tp = 0; tp < PV_PREFETCH_AHEAD && tp < ctx; tp++)
+            prefetch_value(v_cache, table, tp, block_size, row, head_off, head_dim, elem);
         int64_t t = 0;
         for (int64_t b = 0; t < ctx; b++) {
             const int64_t base = table[b] * block_size * row + head_off;
             const int64_t n = ctx - t < block_size ? ctx - t : block_size;
             for (int64_t j = 0; j < n; j++, t++) {
                 const int64_t off = base + j * row;
+                if (t + PV_PREFETCH_AHEAD < ctx)
+                    prefetch_value(v_cache, table, t + PV_PREFETCH_AHEAD, block_size, row,
+                                   head_off, head_dim, elem);
                 const vf16 v0 = load16(v_cache, off, dtype), v1 = load16(v_cache, off + 16, dtype);
                 const vf16 v2 = load16(v_cache, off + 32, dtype), v3 = load16(v_cache, off + 48, dtype);
                 for (int g = 0; g < group; g++) {
@@ -557,11 +579,12 @@ static inline void prefetch_16_rows(const uint16_t *cache, const int64_t *table,
 /* Attention of the single query token of sequence s for all KV heads, bf16 on AMX: one pass over
  * the keys, 16 tokens at a time, scores every head from whole cache rows (a slot's heads are
  * adjacent), so each key row is read once and in order, while the rows PREFETCH_AHEAD tokens on
- * and the values of the same tokens are requested ahead; then a softmax per row and each head's
- * weighted sum over values that are in cache by then. Walking the heads one by one instead read
- * a third of every row per pass with the prefetchers idle, at ~8 GB/s of K/V in a decode step
- * against ~20 here. Needs head_dim % 32 == 0 and block_size % 16 == 0. Returns 0, or -1 when the
- * buffer cannot be allocated. */
+ * are requested ahead; then a softmax per row and each head's weighted sum, which requests its
+ * values PV_PREFETCH_AHEAD tokens ahead (asking for the values during the key pass, to L2, left
+ * most of them out of cache by the time they were summed, and slowed the key pass). Walking the
+ * heads one by one instead read a third of every key row per pass with the prefetchers idle, at
+ * ~8 GB/s of K/V in a decode step against ~20 here. Needs head_dim % 32 == 0 and block_size % 16
+ * == 0. Returns 0, or -1 when the buffer cannot be allocated. */
 static int attend_decode_heads_amx(const attn_args *a, int s) {
     const int G = a->group, D = a->head_dim, bs = a->block_size;
     const int64_t row = a->row;
@@ -602,7 +625,6 @@ static int attend_decode_heads_amx(const attn_args *a, int s) {
             for (int64_t tp = 0; tp < PREFETCH_AHEAD && tp < ctx; tp += 16)
                 prefetch_16_rows(kc, table, tp, ctx, bs, row, 1);
         if (t0 + PREFETCH_AHEAD < ctx) prefetch_16_rows(kc, table, t0 + PREFETCH_AHEAD, ctx, bs, row, 1);
-        prefetch_16_rows(vc, table, t0, ctx, bs, row, 0);
         const uint16_t *kb = kc + slot * row;
         for (int h = 0; h < HK; h++) {
             _tile_zero(2);
