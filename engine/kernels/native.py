@@ -192,6 +192,12 @@ def load() -> ctypes.CDLL | None:
         ptr,
         i32,
     ]
+    lib.llama_layer_pre_bf16.restype = i32
+    lib.llama_layer_pre_bf16.argtypes = [ptr, i32, ptr, ptr, i64, ptr, ptr, ptr, ptr, i32]
+    lib.llama_layer_post_bf16.restype = i32
+    lib.llama_layer_post_bf16.argtypes = [ptr, i32, ptr, ptr, ptr, ptr, ptr, i64, i32]
+    lib.llama_final_norm_bf16.restype = None
+    lib.llama_final_norm_bf16.argtypes = [ptr, ptr, ptr, i64, ptr, i32]
     for suffix in ("bf16", "f32"):
         norm = getattr(lib, f"add_rms_norm_{suffix}")
         norm.restype = None

@@ -12,10 +12,11 @@ bit for bit those of the Python loop (tested).
 It applies only where every piece of that loop would have taken the native path: bf16 on CPU
 with the fused kernels, weights packed for the decode linear kernel (AMX, or AVX512-BF16 on CPUs
 without AMX such as AMD Zen 4; ``csrc/decode_linear.c`` picks the same kind as
-``native.decode_linear_kind``) without biases, at most ``decode_max_rows()`` tokens, and
-an attention backend whose step is one native call over the whole batch
-(``AttentionBackend.native_step``). Anything else returns None from :meth:`run` and the caller
-takes the Python loop.
+``native.decode_linear_kind``) without biases and at most ``decode_max_rows()`` tokens. Where
+the attention backend's step is one native call over the whole batch
+(``AttentionBackend.native_step``) the whole stack is one call; otherwise (a shared-prefix split,
+prompt chunks on SDPA) each layer is two native calls around the backend's attention. Anything
+else returns None from :meth:`run` and the caller takes the Python loop.
 
 Invariant: a description holds raw pointers into tensors it does not own; it keeps them alive
 by reference (the packed weights, the norm weights, the rope tables and the KV cache tensors)
@@ -47,6 +48,7 @@ class LlamaForCausalLM(Protocol):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
     scale: float
+    attn_options: list[dict[str, float | int]]
 
     @property
     def layers(self) -> Iterable[Any]: ...
@@ -165,17 +167,17 @@ class NativeForward:
         t = input_ids.shape[0]
         if t == 0 or t > decode_max_rows() or len(kv_caches) != self.model.cfg.num_layers:
             return None
-        seqs = self.model.backend.native_step(meta)
-        if seqs is None:
-            return None
         lib = native.load()
         if lib is None:
             return None
-        tables, seq_lens, starts, qlens = seqs
         positions = positions.contiguous()
         slots = meta.slot_mapping.contiguous()
         if positions.dtype != torch.int64 or slots.dtype != torch.int64:
             return None
+        seqs = self.model.backend.native_step(meta)
+        if seqs is None:
+            return self._run_layers(lib, input_ids, positions, kv_caches, meta)
+        tables, seq_lens, starts, qlens = seqs
         x = torch.nn.functional.embedding(input_ids, self.model.embed).contiguous()
         out = torch.empty_like(x)
         rc = lib.llama_forward_bf16(
@@ -195,4 +197,63 @@ class NativeForward:
         )
         if rc != 0:
             raise RuntimeError(f"native llama forward failed ({rc})")
+        return out
+
+    def _run_layers(
+        self,
+        lib: ctypes.CDLL,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """A step whose attention is not one native call (a shared-prefix split, prompt chunks
+        on SDPA): each layer's work before and after its attention is one native call each, and
+        the attention is the backend's, as in the Python loop (which writes the layer's K/V
+        first). The same kernels in the same order as that loop, so the same hidden states."""
+        m, cfg = self.model, self.model.cfg
+        desc = ctypes.byref(self._describe(kv_caches))
+        t, threads = input_ids.shape[0], torch.get_num_threads()
+        x = torch.nn.functional.embedding(input_ids, m.embed).contiguous()
+        bf16 = torch.bfloat16
+        h = torch.empty(t, cfg.hidden_size, dtype=bf16)
+        delta = torch.empty(t, cfg.hidden_size, dtype=bf16)
+        act = torch.empty(t, cfg.intermediate_size, dtype=bf16)
+        qkv = torch.empty(t, cfg.q_size + 2 * cfg.kv_size, dtype=bf16)
+        q = qkv[:, : cfg.q_size].view(t, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+        for i, (k_cache, v_cache) in enumerate(kv_caches):
+            rc = lib.llama_layer_pre_bf16(
+                desc,
+                i,
+                x.data_ptr(),
+                delta.data_ptr() if i else None,
+                t,
+                positions.data_ptr(),
+                None,
+                h.data_ptr(),
+                qkv.data_ptr(),
+                threads,
+            )
+            attn = m.backend.forward(
+                q, k, v, k_cache, v_cache, meta, m.scale, **m.attn_options[i]
+            ).reshape(t, cfg.q_size)
+            if not attn.is_contiguous():
+                attn = attn.contiguous()
+            rc |= lib.llama_layer_post_bf16(
+                desc,
+                i,
+                x.data_ptr(),
+                attn.data_ptr(),
+                delta.data_ptr(),
+                h.data_ptr(),
+                act.data_ptr(),
+                t,
+                threads,
+            )
+            if rc != 0:
+                raise RuntimeError(f"native llama layer {i} failed ({rc})")
+        out = torch.empty_like(x)
+        lib.llama_final_norm_bf16(desc, x.data_ptr(), delta.data_ptr(), t, out.data_ptr(), threads)
         return out

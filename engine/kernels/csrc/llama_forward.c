@@ -42,6 +42,53 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache,
                     int block_size, int64_t bt_stride, int64_t q_stride, int64_t out_stride,
                     int64_t kv_start, float scale, int dtype, int num_threads);
 
+/* Layer l up to its attention. x [T, hidden] (the residual stream, delta [T, hidden] of the
+ * previous layer added into it first; delta NULL for layer 0); h [T, hidden] and qkv [T, q + 2 kv]
+ * scratch: qkv is left holding the layer's rotated queries and keys and its values. With slots
+ * (the cache slots of the step's keys and values), writes them into the layer's cache; NULL
+ * leaves that to the caller's attention. Returns 0 or -1. */
+int llama_layer_pre_bf16(const llama_model *m, int l, uint16_t *x, const uint16_t *delta, int64_t T,
+                         const int64_t *positions, const int64_t *slots, uint16_t *h,
+                         uint16_t *qkv, int num_threads) {
+    const int64_t H = m->hidden, D = m->head_dim;
+    const int64_t q_size = (int64_t)m->num_heads * D, kv_size = (int64_t)m->num_kv_heads * D;
+    const int64_t qkv_n = q_size + 2 * kv_size;
+    add_rms_norm_bf16(x, delta, m->input_norm[l], h, T, H, H, H, H, m->eps, num_threads);
+    int rc = decode_linear(h, T, H, H, m->qkv[l], qkv_n, 0, qkv, qkv_n, num_threads);
+    rope_bf16(qkv, positions, m->rope_cos, m->rope_sin, T, m->num_heads + m->num_kv_heads, D,
+              qkv_n, num_threads);
+    /* Every row's K/V before the layer's attention reads the cache: a sequence may read
+     * blocks another sequence of the step writes (engine.attention.base). */
+    if (slots != NULL)
+        write_kv_cache(qkv + q_size, qkv + q_size + kv_size, m->k_cache[l], m->v_cache[l], slots,
+                       T, kv_size, qkv_n, qkv_n, 2, num_threads);
+    return rc;
+}
+
+/* Layer l after its attention: attn [T, q] the attention's output; the output projection goes
+ * into delta [T, hidden] and is added into x, then the MLP, whose output is left in delta for
+ * the next layer (or llama_final_norm_bf16) to add. h [T, hidden] and act [T, intermediate]
+ * scratch. Returns 0 or -1. */
+int llama_layer_post_bf16(const llama_model *m, int l, uint16_t *x, const uint16_t *attn,
+                          uint16_t *delta, uint16_t *h, uint16_t *act, int64_t T,
+                          int num_threads) {
+    const int64_t H = m->hidden, q_size = (int64_t)m->num_heads * m->head_dim;
+    const int64_t inter = m->intermediate;
+    /* The attention output projection goes to delta's buffer: it is added into x next. */
+    int rc = decode_linear(attn, T, q_size, q_size, m->o[l], H, 0, delta, H, num_threads);
+    add_rms_norm_bf16(x, delta, m->post_norm[l], h, T, H, H, H, H, m->eps, num_threads);
+    rc |= decode_linear(h, T, H, H, m->gate_up[l], 2 * inter, 1, act, inter, num_threads);
+    rc |= decode_linear(act, T, inter, inter, m->down[l], H, 0, delta, H, num_threads);
+    return rc;
+}
+
+/* out [T, hidden] = the final norm of x + delta (the last layer's output; NULL: none). */
+void llama_final_norm_bf16(const llama_model *m, uint16_t *x, const uint16_t *delta, int64_t T,
+                           uint16_t *out, int num_threads) {
+    const int64_t H = m->hidden;
+    add_rms_norm_bf16(x, delta, m->final_norm, out, T, H, H, H, H, m->eps, num_threads);
+}
+
 /* x [T, hidden]: the embedded tokens, left holding the last residual stream; out [T, hidden]:
  * the final normed hidden states. Attention: num_seqs sequences as paged_attention takes them
  * (the step's whole batch), slots [T] the cache slots of the step's keys and values. Returns 0,
@@ -62,29 +109,16 @@ int llama_forward_bf16(const llama_model *m, uint16_t *x, int64_t T, const int64
     uint16_t *delta = attn + T * q_size, *act = delta + T * H;
     int rc = 0;
     for (int l = 0; l < m->num_layers && rc == 0; l++) {
-        add_rms_norm_bf16(x, l == 0 ? NULL : delta, m->input_norm[l], h, T, H, H, H, H, m->eps,
-                          num_threads);
-        rc |= decode_linear(h, T, H, H, m->qkv[l], qkv_n, 0, qkv, qkv_n, num_threads);
-        rope_bf16(qkv, positions, m->rope_cos, m->rope_sin, T, m->num_heads + m->num_kv_heads, D,
-                  qkv_n, num_threads);
-        /* Every row's K/V before the layer's attention reads the cache: a sequence may read
-         * blocks another sequence of the step writes (engine.attention.base). */
-        write_kv_cache(qkv + q_size, qkv + q_size + kv_size, m->k_cache[l], m->v_cache[l], slots,
-                       T, kv_size, qkv_n, qkv_n, 2, num_threads);
+        rc |= llama_layer_pre_bf16(m, l, x, l == 0 ? NULL : delta, T, positions, slots, h, qkv,
+                                   num_threads);
         if (rc == 0)
             rc = paged_attention(qkv, m->k_cache[l], m->v_cache[l], block_tables, seq_lens,
                                  query_start, query_len, attn, NULL, num_seqs, m->num_heads,
                                  m->num_kv_heads, (int)D, m->block_size, bt_stride, qkv_n, q_size,
                                  0, m->scale, 1, num_threads);
-        /* The attention output projection goes to delta's buffer: it is added into x next. */
-        rc |= decode_linear(attn, T, q_size, q_size, m->o[l], H, 0, delta, H, num_threads);
-        add_rms_norm_bf16(x, delta, m->post_norm[l], h, T, H, H, H, H, m->eps, num_threads);
-        rc |= decode_linear(h, T, H, H, m->gate_up[l], 2 * inter, 1, act, inter, num_threads);
-        rc |= decode_linear(act, T, inter, inter, m->down[l], H, 0, delta, H, num_threads);
+        if (rc == 0) rc |= llama_layer_post_bf16(m, l, x, attn, delta, h, act, T, num_threads);
     }
-    if (rc == 0)
-        add_rms_norm_bf16(x, m->num_layers > 0 ? delta : NULL, m->final_norm, out, T, H, H, H, H,
-                          m->eps, num_threads);
+    if (rc == 0) llama_final_norm_bf16(m, x, m->num_layers > 0 ? delta : NULL, T, out, num_threads);
     free(scratch);
     return rc;
 }

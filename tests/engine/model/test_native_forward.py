@@ -72,11 +72,11 @@ def test_steps_the_native_stack_cannot_run_fall_back(tiny_llama):
 
 
 @needs_decode_kernel
-def test_a_prefill_chunk_runs_in_the_stack_exactly_where_the_kernel_takes_it(tiny_llama):
+def test_a_prefill_chunk_runs_natively_either_way_bit_for_bit(tiny_llama):
     """A prompt of up to 100 tokens (within the decode kernels' rows: 96 with AMX, 128 with
-    AVX512-BF16): SDPA's, and so the Python loop's, unless the CPU's bf16 attention tile takes
-    every chunk; then the one-call stack runs it, bit for bit the Python loop over the same
-    kernels."""
+    AVX512-BF16): one native call for the whole stack where the CPU's bf16 attention tile takes
+    every chunk, else SDPA's attention between two native calls per layer; either way bit for
+    bit the Python loop over the same kernels."""
     llm = LLM(model=str(tiny_llama), dtype="bfloat16", max_num_batched_tokens=256)
     engine, model = llm.engine, llm.engine.model
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -84,15 +84,48 @@ def test_a_prefill_chunk_runs_in_the_stack_exactly_where_the_kernel_takes_it(tin
     engine.add_request("mid", [i % 500 + 1 for i in range(tokens)], params)
     batch = _next_batch(llm)
     assert batch.input_ids.shape[0] <= decode_max_rows()
+    on_sdpa = bool(batch.meta.plan_as(CpuAttentionPlan).sdpa_seqs)
+    assert on_sdpa != native.bf16_prefill_preferred()
     kv = engine.runner.kv_caches
     got = model.native_forward.run(batch.input_ids, batch.positions, kv, batch.meta)
-    if not native.bf16_prefill_preferred():
-        assert batch.meta.plan_as(CpuAttentionPlan).sdpa_seqs and got is None
-        return
-    assert batch.meta.plan_as(CpuAttentionPlan).sdpa_seqs == [] and got is not None
+    assert got is not None
     model.use_native_forward = False
     expected = model(batch.input_ids, batch.positions, kv, batch.meta)
     assert torch.equal(got, expected)
+
+
+@needs_decode_kernel
+def test_a_shared_prefix_split_step_runs_per_layer_bit_for_bit(head_dim_64, monkeypatch):
+    """Decodes behind one cached system prompt take the backend's shared-prefix split (an SDPA
+    call over the prefix, the kernel over each sequence's own keys, a merge), which is not one
+    native call: each layer runs as two native calls around it, with the Python loop's hidden
+    states and the loop's greedy tokens."""
+    from engine.attention import cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "CASCADE_MIN_PAIRS", 1)
+    system = [(11 * j) % 500 + 1 for j in range(48)]
+    prompts = [system + [(5 * i + j) % 500 + 1 for j in range(3 + i)] for i in range(6)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(head_dim_64), dtype="bfloat16", block_size=16)
+    engine, model = llm.engine, llm.engine.model
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    engine.step()
+    batch = _next_batch(llm)
+    assert batch.meta.num_decodes == len(prompts)
+    assert batch.meta.plan_as(CpuAttentionPlan).shared_prefix_tokens == 48
+    assert model.backend.native_step(batch.meta) is None
+    kv = engine.runner.kv_caches
+    got = model.native_forward.run(batch.input_ids, batch.positions, kv, batch.meta)
+    assert got is not None
+    model.use_native_forward = False
+    assert torch.equal(got, model(batch.input_ids, batch.positions, kv, batch.meta))
+    outs = {}
+    for native_forward in (True, False):
+        fresh = LLM(model=str(head_dim_64), dtype="bfloat16", block_size=16)
+        fresh.engine.model.use_native_forward = native_forward
+        outs[native_forward] = [o.token_ids for o in fresh.generate(prompts, params)]
+    assert outs[True] == outs[False]
 
 
 def test_only_decode_packed_bias_free_bf16_models_get_the_native_stack(tiny_llama, tmp_path):
