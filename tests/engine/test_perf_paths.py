@@ -62,6 +62,22 @@ def _starts(qlens):
     return torch.tensor([sum(qlens[:i]) for i in range(len(qlens))], dtype=torch.int64)
 
 
+def _assert_kernel_matches_reference(
+    q, k_cache, v_cache, tables, lens, qlens, kv_start, tol, lse_tol
+):
+    """The native kernel's output and log-sum-exp for the batch against float32 attention."""
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"))
+    scale = q.shape[2] ** -0.5
+    args = (tables, torch.tensor(lens), _starts(qlens), torch.tensor(qlens))
+    native.paged_attention(q, k_cache, v_cache, *args, out, scale, kv_start=kv_start, lse=lse)
+    expected, expected_lse = reference_attention(
+        q, k_cache, v_cache, tables, lens, qlens, scale, kv_start
+    )
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, expected_lse, atol=lse_tol, rtol=lse_tol)
+
+
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
@@ -128,20 +144,12 @@ def test_native_attention_of_a_decode_batch_matches_reference(
     q, k_cache, v_cache, tables = _random_batch(
         dtype, heads, kv_heads, head_dim, bs, lens, qlens, seed=11
     )
-    # Late keys that score far above the rest: the running maximum must rescale the sums.
+    # Late keys that score far above all the earlier ones.
     k_cache[tables[7, -(-300 // bs) - 1]] *= 6
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:2], float("nan"))
-    kv_start = kv_start_blocks * bs
-    scale = head_dim**-0.5
-    args = (tables, torch.tensor(lens), _starts(qlens), torch.tensor(qlens))
-    native.paged_attention(q, k_cache, v_cache, *args, out, scale, kv_start=kv_start, lse=lse)
-    expected, expected_lse = reference_attention(
-        q, k_cache, v_cache, tables, lens, qlens, scale, kv_start
-    )
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
-    torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-4)
+    _assert_kernel_matches_reference(
+        q, k_cache, v_cache, tables, lens, qlens, kv_start_blocks * bs, tol, 1e-4
+    )
 
 
 @needs_compiler
@@ -165,17 +173,9 @@ def test_native_attention_long_bf16_chunks_match_reference(
     q, k_cache, v_cache, tables = _random_batch(
         torch.bfloat16, heads, kv_heads, head_dim, bs, lens, qlens, seed=3
     )
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:2], float("nan"))
-    kv_start = kv_start_blocks * bs
-    scale = head_dim**-0.5
-    args = (tables, torch.tensor(lens), _starts(qlens), torch.tensor(qlens))
-    native.paged_attention(q, k_cache, v_cache, *args, out, scale, kv_start=kv_start, lse=lse)
-    expected, expected_lse = reference_attention(
-        q, k_cache, v_cache, tables, lens, qlens, scale, kv_start
+    _assert_kernel_matches_reference(
+        q, k_cache, v_cache, tables, lens, qlens, kv_start_blocks * bs, 2e-2, 1e-3
     )
-    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse, expected_lse, atol=1e-3, rtol=1e-3)
 
 
 @needs_compiler
