@@ -236,11 +236,11 @@ class NativeForward:
                 qkv.data_ptr(),
                 threads,
             )
-            attn = m.backend.forward(
-                q, k, v, k_cache, v_cache, meta, m.scale, **m.attn_options[i]
-            ).reshape(t, cfg.q_size)
-            if not attn.is_contiguous():
-                attn = attn.contiguous()
+            attn = (
+                m.backend.forward(q, k, v, k_cache, v_cache, meta, m.scale, **m.attn_options[i])
+                .reshape(t, cfg.q_size)
+                .contiguous()
+            )
             rc |= lib.llama_layer_post_bf16(
                 desc,
                 i,

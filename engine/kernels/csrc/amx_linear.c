@@ -43,10 +43,10 @@ int amx_linear_available(void) {
 #define PREFETCH_PAIRS 4
 /* 17 to 64 rows (two to four row tiles), the batches of a decode step: each 16-feature block of
  * weight tiles is loaded once per kb and multiplied with every row tile (one weight tile and up
- * to four row tiles per 32 inputs, sums in tiles 0-3). The 2 x 2 blocking below reloads each
- * weight pair for every 32 rows; this order measured 15-25% faster at 32-64 rows on this
- * model's shapes, and the same at 16 rows or fewer. Same operands and order of sums per output,
- * so the same results. For a gated weight the gate block's sums wait in gate_sums (float32,
+ * to four row tiles per 32 inputs, sums in tiles 0-3). amx_linear_pairs reloads each weight
+ * pair for every 32 rows, which costs as much as the multiplies where a tile load does
+ * (docs/performance.md, item 25). Same operands and order of sums per output, so the same
+ * results. For a gated weight the gate block's sums wait in gate_sums (float32,
  * [rows][16]) for the up block's, then the SiLU epilogue runs as in amx_linear. */
 static void amx_linear_rows4(const uint16_t *xs, int64_t m, int64_t KB, int64_t mp,
                              const uint16_t *wp, int64_t n, int gated, uint16_t *y,
@@ -111,6 +111,80 @@ static void amx_linear_rows4(const uint16_t *xs, int64_t m, int64_t KB, int64_t 
     }
 }
 
+/* 2 x 2 sum tiles per pass (see amx_linear) for this thread's n-block pairs [p0, p1). */
+static void amx_linear_pairs(const uint16_t *xs, int64_t m, int64_t KB, int64_t mp,
+                             const uint16_t *wp, int64_t n, int gated, uint16_t *y,
+                             int64_t y_stride, int64_t p0, int64_t p1) {
+    float st[16 * 16] __attribute__((aligned(64))), su[16 * 16] __attribute__((aligned(64)));
+    for (int64_t pair = p0; pair < p1; pair++) {
+        const uint16_t *w0 = wp + 2 * pair * KB * 512, *w1 = w0 + KB * 512;
+        for (int64_t r0 = 0; r0 < mp; r0 += 32) {
+            const int two_rows = mp - r0 > 16;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            const uint16_t *xa = xs + (r0 / 16) * KB * 512, *xb = xa + KB * 512;
+            for (int64_t kb = 0; kb < KB; kb++) {
+                if (r0 == 0 && pair + PREFETCH_PAIRS < p1) {
+                    /* Weight tiles into L2 ahead of their pass (~5% at 64 rows). */
+                    const char *nx = (const char *)(w0 + PREFETCH_PAIRS * 2 * KB * 512 + kb * 512);
+                    for (int l = 0; l < 1024; l += 64) {
+                        _mm_prefetch(nx + l, _MM_HINT_T1);
+                        _mm_prefetch(nx + KB * 1024 + l, _MM_HINT_T1);
+                    }
+                }
+                _tile_loadd(6, w0 + kb * 512, 64);
+                _tile_loadd(7, w1 + kb * 512, 64);
+                _tile_loadd(4, xa + kb * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (two_rows) {
+                    _tile_loadd(5, xb + kb * 512, 64);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            if (gated) {
+                /* Tiles 0 / 2: gate, 1 / 3: up of outputs [16 pair, 16 pair + 16). */
+                const int64_t col0 = 16 * pair, cols = n / 2 - col0 < 16 ? n / 2 - col0 : 16;
+                for (int half = 0; half < (two_rows ? 2 : 1); half++) {
+                    if (half == 0) {
+                        _tile_stored(0, st, 64);
+                        _tile_stored(1, su, 64);
+                    } else {
+                        _tile_stored(2, st, 64);
+                        _tile_stored(3, su, 64);
+                    }
+                    const int64_t row0 = r0 + 16 * half;
+                    const int rows = m - row0 < 16 ? (int)(m - row0) : 16;
+                    for (int r = 0; r < rows; r++) {
+                        const __m512 g = rnd_bf(_mm512_load_ps(st + 16 * r));
+                        const __m512 u = rnd_bf(_mm512_load_ps(su + 16 * r));
+                        st_bf(y + (row0 + r) * y_stride + col0, tail(cols), silu_mul16(g, u));
+                    }
+                }
+                continue;
+            }
+            for (int t = 0; t < (two_rows ? 4 : 2); t++) {
+                /* Tile indices must be constants. */
+                switch (t) {
+                case 0: _tile_stored(0, st, 64); break;
+                case 1: _tile_stored(1, st, 64); break;
+                case 2: _tile_stored(2, st, 64); break;
+                default: _tile_stored(3, st, 64); break;
+                }
+                const int64_t row0 = r0 + 16 * (t / 2), col0 = 32 * pair + 16 * (t % 2);
+                if (col0 >= n) continue;
+                const int64_t cols = n - col0 < 16 ? n - col0 : 16;
+                const int rows = m - row0 < 16 ? (int)(m - row0) : 16;
+                for (int r = 0; r < rows; r++)
+                    st_bf(y + (row0 + r) * y_stride + col0, tail(cols), _mm512_load_ps(st + 16 * r));
+            }
+        }
+    }
+}
+
 /* x: [m, k] with row stride x_stride (elements); wp: decode_pack_weight's output for [n, k];
  * y: [m, n] with row stride y_stride, or when gated [m, n / 2] = silu(gate) * up, rounded as
  * the eager bf16 ops round (silu_mul16). Returns 0, or -1 without AMX or memory.
@@ -146,80 +220,11 @@ int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const 
         amx_configure_16x64();
         const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
         /* Contiguous pairs per thread: each streams one run of the packed weight. */
-        const int64_t p0 = NP * tid / nt;
-        int64_t p1 = NP * (tid + 1) / nt;
-        float st[16 * 16] __attribute__((aligned(64))), su[16 * 16] __attribute__((aligned(64)));
-        if (mp > 16 && mp <= 64) {
+        const int64_t p0 = NP * tid / nt, p1 = NP * (tid + 1) / nt;
+        if (mp > 16 && mp <= 64)
             amx_linear_rows4(xs, m, KB, mp, wp, n, gated, y, y_stride, p0, p1);
-            p1 = p0; /* done: skip the 2 x 2 loop */
-        }
-        for (int64_t pair = p0; pair < p1; pair++) {
-            const uint16_t *w0 = wp + 2 * pair * KB * 512, *w1 = w0 + KB * 512;
-            for (int64_t r0 = 0; r0 < mp; r0 += 32) {
-                const int two_rows = mp - r0 > 16;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                const uint16_t *xa = xs + (r0 / 16) * KB * 512, *xb = xa + KB * 512;
-                for (int64_t kb = 0; kb < KB; kb++) {
-                    if (r0 == 0 && pair + PREFETCH_PAIRS < p1) {
-                        /* Weight tiles into L2 ahead of their pass (~5% at 64 rows). */
-                        const char *nx = (const char *)(w0 + PREFETCH_PAIRS * 2 * KB * 512 + kb * 512);
-                        for (int l = 0; l < 1024; l += 64) {
-                            _mm_prefetch(nx + l, _MM_HINT_T1);
-                            _mm_prefetch(nx + KB * 1024 + l, _MM_HINT_T1);
-                        }
-                    }
-                    _tile_loadd(6, w0 + kb * 512, 64);
-                    _tile_loadd(7, w1 + kb * 512, 64);
-                    _tile_loadd(4, xa + kb * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    if (two_rows) {
-                        _tile_loadd(5, xb + kb * 512, 64);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                if (gated) {
-                    /* Tiles 0 / 2: gate, 1 / 3: up of outputs [16 pair, 16 pair + 16). */
-                    const int64_t col0 = 16 * pair, cols = n / 2 - col0 < 16 ? n / 2 - col0 : 16;
-                    for (int half = 0; half < (two_rows ? 2 : 1); half++) {
-                        if (half == 0) {
-                            _tile_stored(0, st, 64);
-                            _tile_stored(1, su, 64);
-                        } else {
-                            _tile_stored(2, st, 64);
-                            _tile_stored(3, su, 64);
-                        }
-                        const int64_t row0 = r0 + 16 * half;
-                        const int rows = m - row0 < 16 ? (int)(m - row0) : 16;
-                        for (int r = 0; r < rows; r++) {
-                            const __m512 g = rnd_bf(_mm512_load_ps(st + 16 * r));
-                            const __m512 u = rnd_bf(_mm512_load_ps(su + 16 * r));
-                            st_bf(y + (row0 + r) * y_stride + col0, tail(cols), silu_mul16(g, u));
-                        }
-                    }
-                    continue;
-                }
-                for (int t = 0; t < (two_rows ? 4 : 2); t++) {
-                    /* Tile indices must be constants. */
-                    switch (t) {
-                    case 0: _tile_stored(0, st, 64); break;
-                    case 1: _tile_stored(1, st, 64); break;
-                    case 2: _tile_stored(2, st, 64); break;
-                    default: _tile_stored(3, st, 64); break;
-                    }
-                    const int64_t row0 = r0 + 16 * (t / 2), col0 = 32 * pair + 16 * (t % 2);
-                    if (col0 >= n) continue;
-                    const int64_t cols = n - col0 < 16 ? n - col0 : 16;
-                    const int rows = m - row0 < 16 ? (int)(m - row0) : 16;
-                    for (int r = 0; r < rows; r++)
-                        st_bf(y + (row0 + r) * y_stride + col0, tail(cols), _mm512_load_ps(st + 16 * r));
-                }
-            }
-        }
+        else
+            amx_linear_pairs(xs, m, KB, mp, wp, n, gated, y, y_stride, p0, p1);
         _tile_release();
     }
     free(xs);
