@@ -52,6 +52,7 @@ HEADERS = (
     CSRC / "bf16.h",
     CSRC / "bf16x16.h",
     CSRC / "vec16.h",
+    CSRC / "work_share.h",
 )
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 # Linked without -ffast-math: with it gcc adds crtfastmath.o, whose constructor turns on

@@ -22,6 +22,7 @@
 
 #include "amx.h"
 #include "bf16x16.h"
+#include "work_share.h"
 
 #if defined(HAVE_BF16X16) || defined(HAVE_AMX)
 #include <omp.h>
@@ -118,10 +119,10 @@ static inline __attribute__((always_inline)) void rows_pass(const uint32_t *xt, 
  * the eager bf16 ops round (silu_mul16), as amx_linear computes it. Returns 0, or -1 without
  * memory.
  *
- * Work is split like amx_linear's: each thread takes one contiguous run of n-block pairs (one
- * stream of the packed weight) and multiplies each pair with every block of up to BF16_ROWS rows
- * while the pair is in cache (from memory for the first row block, from L1/L2 after). The rows
- * of x are first copied with their input pairs interleaved (all threads, one share each), so a
+ * Work is split like amx_linear's: the threads claim runs of n-block pairs from both ends
+ * (work_share.h), each streaming the packed weight in one direction, and multiply each pair
+ * with every block of up to BF16_ROWS rows while the pair is in cache (from memory for the first
+ * row block, from L1/L2 after). The rows of x are first copied with their input pairs interleaved (all threads, one share each), so a
  * row's pair is one broadcast at a constant offset. */
 int bf16_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const uint16_t *wp,
                 int64_t n, int gated, uint16_t *y, int64_t y_stride, int num_threads) {
@@ -132,6 +133,8 @@ int bf16_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
     uint32_t *xt = (uint32_t *)aligned_alloc(64, (size_t)((m * kq * 4 + 63) / 64 * 64 + 64));
     if (xt == NULL) return -1;
     if (num_threads < 1) num_threads = 1;
+    work_share ws;
+    work_share_init(&ws, NP, num_threads, 1);
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
@@ -150,18 +153,22 @@ int bf16_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
             }
             if (k & 1) dst[(kq - 1) * R] = src[k - 1]; /* the missing half is zero */
         }
-        const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int64_t p0 = NP * tid / nt, p1 = NP * (tid + 1) / nt;
+        const int tid = omp_get_thread_num(), down = tid & 1;
         __m512 s0[BF16_ROWS], s1[BF16_ROWS];
-        for (int64_t pair = p0; pair < p1; pair++) {
+        int64_t p0, p1;
+        /* Claimed as amx_linear's pairs are: the back claimer walks downwards. */
+        while (work_share_claim(&ws, tid, &p0, &p1)) {
+        for (int64_t i = 0; i < p1 - p0; i++) {
+            const int64_t pair = down ? p1 - 1 - i : p0 + i;
+            const int64_t ahead = down ? pair - BF16_PREFETCH_PAIRS : pair + BF16_PREFETCH_PAIRS;
             const uint16_t *w0 = wp + 2 * pair * KB * 512, *w1 = w0 + KB * 512;
             for (int64_t b = 0; b < nblk; b++) {
                 const int64_t r0 = m * b / nblk;
                 const int R = (int)(m * (b + 1) / nblk - r0);
                 const uint32_t *xt_b = xt + r0 * kq;
                 const char *pf0 = NULL, *pf1 = NULL;
-                if (b == 0 && pair + BF16_PREFETCH_PAIRS < p1) {
-                    pf0 = (const char *)(w0 + BF16_PREFETCH_PAIRS * 2 * KB * 512);
+                if (b == 0 && ahead >= 0 && ahead < NP) {
+                    pf0 = (const char *)(wp + 2 * ahead * KB * 512);
                     pf1 = pf0 + KB * 1024;
                 }
                 switch (R) {
@@ -199,6 +206,7 @@ int bf16_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
                     }
                 }
             }
+        }
         }
     }
     free(xt);

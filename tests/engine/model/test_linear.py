@@ -174,6 +174,33 @@ def test_decode_linear_is_the_float32_product_rounded_to_bf16(
         native.decode_linear(x, packed, out_features + 32, kind=kind)
 
 
+@pytest.mark.parametrize("kind", DECODE_KINDS)
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("rows", [3, 40, 64])
+def test_decode_linear_is_the_same_at_every_thread_count(kind: str, gated: bool, rows: int) -> None:
+    """Threads claim runs of outputs from both ends (csrc/work_share.h) instead of a fixed
+    share: every output must still be computed exactly once, by one thread, in the same order of
+    sums, so each thread count gives the one-thread result bit for bit (a skipped output would
+    hold whatever the fresh tensor held)."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(2 * 1000, 96, generator=gen) * 0.1).bfloat16()  # 63 pairs: odd
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    packed = native.decode_pack_weight(weight, gated=gated)
+    assert packed is not None
+    before = torch.get_num_threads()
+    try:
+        results = {}
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            results[threads] = native.decode_linear(x, packed, 2 * 1000, gated=gated, kind=kind)
+    finally:
+        torch.set_num_threads(before)
+    one = results[1]
+    assert one is not None and one.isfinite().all()
+    for threads, got in results.items():
+        assert got is not None and torch.equal(got, one), f"{threads} threads"
+
+
 @pytest.mark.parametrize(
     ("rows", "dtype", "with_bias", "decode"),
     [
