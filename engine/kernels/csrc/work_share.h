@@ -1,8 +1,8 @@
 /* Work split between OpenMP threads by claiming, not by a fixed share.
  *
- * On a shared machine the CPUs of one process do not run at one speed: one vCPU of a 2-vCPU VM
- * often runs ~1.6x slower than the other for seconds at a time, and a server's other processes
- * take time slices from one engine thread at a time (docs/performance.md). With a fixed share
+ * On a shared machine the CPUs of one process do not run at one speed: one vCPU of a VM can run
+ * markedly slower than the other for seconds at a time, and a server's other processes take
+ * time slices from one engine thread at a time (docs/performance.md, item 28). With a fixed share
  * each, a parallel region lasts as long as the slower thread's share while the faster one waits
  * at the barrier. Here the threads claim the items [0, n) as they go, so a faster one takes more.
  *
