@@ -119,11 +119,11 @@ static inline __attribute__((always_inline)) void rows_pass(const uint32_t *xt, 
  * the eager bf16 ops round (silu_mul16), as amx_linear computes it. Returns 0, or -1 without
  * memory.
  *
- * Work is split like amx_linear's: the threads claim runs of n-block pairs from both ends
- * (work_share.h), each streaming the packed weight in one direction, and multiply each pair
- * with every block of up to BF16_ROWS rows while the pair is in cache (from memory for the first
- * row block, from L1/L2 after). The rows of x are first copied with their input pairs interleaved (all threads, one share each), so a
- * row's pair is one broadcast at a constant offset. */
+ * The threads claim runs of n-block pairs from both ends of the weight (work_share.h), so a
+ * thread on a faster CPU takes more, and multiply each pair with every block of up to BF16_ROWS
+ * rows while the pair is in cache (from memory for the first row block, from L1/L2 after). The
+ * rows of x are first copied with their input pairs interleaved (all threads, one share each),
+ * so a row's pair is one broadcast at a constant offset. */
 int bf16_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const uint16_t *wp,
                 int64_t n, int gated, uint16_t *y, int64_t y_stride, int num_threads) {
     const int64_t KB = (k + 31) / 32, kq = (k + 1) / 2;
@@ -156,56 +156,58 @@ int bf16_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
         const int tid = omp_get_thread_num(), down = tid & 1;
         __m512 s0[BF16_ROWS], s1[BF16_ROWS];
         int64_t p0, p1;
-        /* Claimed as amx_linear's pairs are: the back claimer walks downwards. */
+        /* The back claimer walks its runs downwards: each thread streams the weight in one
+         * direction, and its requests ahead run on into its next run. */
         while (work_share_claim(&ws, tid, &p0, &p1)) {
-        for (int64_t i = 0; i < p1 - p0; i++) {
-            const int64_t pair = down ? p1 - 1 - i : p0 + i;
-            const int64_t ahead = down ? pair - BF16_PREFETCH_PAIRS : pair + BF16_PREFETCH_PAIRS;
-            const uint16_t *w0 = wp + 2 * pair * KB * 512, *w1 = w0 + KB * 512;
-            for (int64_t b = 0; b < nblk; b++) {
-                const int64_t r0 = m * b / nblk;
-                const int R = (int)(m * (b + 1) / nblk - r0);
-                const uint32_t *xt_b = xt + r0 * kq;
-                const char *pf0 = NULL, *pf1 = NULL;
-                if (b == 0 && ahead >= 0 && ahead < NP) {
-                    pf0 = (const char *)(wp + 2 * ahead * KB * 512);
-                    pf1 = pf0 + KB * 1024;
-                }
-                switch (R) {
-                    ROWS_CASE(1)
-                    ROWS_CASE(2)
-                    ROWS_CASE(3)
-                    ROWS_CASE(4)
-                    ROWS_CASE(5)
-                    ROWS_CASE(6)
-                    ROWS_CASE(7)
-                    ROWS_CASE(8)
-                    ROWS_CASE(9)
-                    ROWS_CASE(10)
-                    ROWS_CASE(11)
-                    ROWS_CASE(12)
-                    ROWS_CASE(13)
-                    ROWS_CASE(14)
-                    default: rows_pass(xt_b, BF16_ROWS, kq, w0, w1, pf0, pf1, s0, s1); break;
-                }
-                if (gated) {
-                    /* s0: gate, s1: up of outputs [16 pair, 16 pair + 16). */
-                    const int64_t col0 = 16 * pair;
-                    const __mmask16 mask = tail(n / 2 - col0);
-                    for (int r = 0; r < R; r++)
-                        st_bf(y + (r0 + r) * y_stride + col0, mask,
-                              silu_mul16(rnd_bf(s0[r]), rnd_bf(s1[r])));
-                } else {
-                    const int64_t col0 = 32 * pair;
-                    const __mmask16 m0 = tail(n - col0);
-                    const __mmask16 m1 = n - col0 > 16 ? tail(n - col0 - 16) : 0;
-                    for (int r = 0; r < R; r++) {
-                        uint16_t *dst = y + (r0 + r) * y_stride + col0;
-                        st_bf(dst, m0, s0[r]);
-                        if (m1) st_bf(dst + 16, m1, s1[r]);
+            for (int64_t i = 0; i < p1 - p0; i++) {
+                const int64_t pair = down ? p1 - 1 - i : p0 + i;
+                const int64_t ahead =
+                    down ? pair - BF16_PREFETCH_PAIRS : pair + BF16_PREFETCH_PAIRS;
+                const uint16_t *w0 = wp + 2 * pair * KB * 512, *w1 = w0 + KB * 512;
+                for (int64_t b = 0; b < nblk; b++) {
+                    const int64_t r0 = m * b / nblk;
+                    const int R = (int)(m * (b + 1) / nblk - r0);
+                    const uint32_t *xt_b = xt + r0 * kq;
+                    const char *pf0 = NULL, *pf1 = NULL;
+                    if (b == 0 && ahead >= 0 && ahead < NP) {
+                        pf0 = (const char *)(wp + 2 * ahead * KB * 512);
+                        pf1 = pf0 + KB * 1024;
+                    }
+                    switch (R) {
+                        ROWS_CASE(1)
+                        ROWS_CASE(2)
+                        ROWS_CASE(3)
+                        ROWS_CASE(4)
+                        ROWS_CASE(5)
+                        ROWS_CASE(6)
+                        ROWS_CASE(7)
+                        ROWS_CASE(8)
+                        ROWS_CASE(9)
+                        ROWS_CASE(10)
+                        ROWS_CASE(11)
+                        ROWS_CASE(12)
+                        ROWS_CASE(13)
+                        ROWS_CASE(14)
+                        default: rows_pass(xt_b, BF16_ROWS, kq, w0, w1, pf0, pf1, s0, s1); break;
+                    }
+                    if (gated) {
+                        /* s0: gate, s1: up of outputs [16 pair, 16 pair + 16). */
+                        const int64_t col0 = 16 * pair;
+                        const __mmask16 mask = tail(n / 2 - col0);
+                        for (int r = 0; r < R; r++)
+                            st_bf(y + (r0 + r) * y_stride + col0, mask,
+                                  silu_mul16(rnd_bf(s0[r]), rnd_bf(s1[r])));
+                    } else {
+                        const int64_t col0 = 32 * pair;
+                        const __mmask16 m0 = tail(n - col0);
+                        const __mmask16 m1 = n - col0 > 16 ? tail(n - col0 - 16) : 0;
+                        for (int r = 0; r < R; r++) {
+                            uint16_t *dst = y + (r0 + r) * y_stride + col0;
+                            st_bf(dst, m0, s0[r]);
+                            if (m1) st_bf(dst + 16, m1, s1[r]);
+                        }
                     }
                 }
-            }
         }
         }
     }

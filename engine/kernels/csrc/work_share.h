@@ -8,8 +8,9 @@
  *
  * Claims come from both ends: even thread ids take items from the front, odd ones from the back,
  * so with two threads each one's items form one contiguous run (one stream of a packed weight,
- * which the prefetchers follow) and the two runs meet wherever the speeds put the boundary. A claim takes a 2 * num_threads'th of what is left (guided): large
- * first claims keep the runs long, small last ones let the faster thread finish the rest.
+ * which the prefetchers follow) and the two runs meet wherever the speeds put the boundary. A
+ * claim takes a 2 * num_threads'th of what is left (guided): large first claims keep the runs
+ * long, small last ones let the faster thread finish the rest.
  *
  * Invariant: every item is handed out exactly once. Both ends' counts live in one atomic word
  * (front in the low 32 bits, back in the high), advanced by compare-and-swap only while
