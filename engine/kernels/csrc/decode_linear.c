@@ -208,7 +208,7 @@ int bf16_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
                         }
                     }
                 }
-        }
+            }
         }
     }
     free(xt);
