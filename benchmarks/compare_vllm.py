@@ -176,8 +176,8 @@ def summarize(name: str, vllm: list[dict], ours: list[dict]) -> dict[str, Any]:
     """Each engine's best and median over the rounds, and the ratios (> 1: ours is ahead, by
     throughput, or by latency for batch-1 and the wave): of the bests, and the median of each
     round's pair."""
-    latency = name in wl.LATENCY_KEYS
-    key = wl.LATENCY_KEYS.get(name, "tok_s")
+    latency = name in wl.LATENCY_METRICS
+    key = wl.LATENCY_METRICS[name][0] if latency else "tok_s"
     better = min if latency else max
     v = [r[key] for r in vllm]
     o = [r[key] for r in ours]
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 continue
             result = summarize(name, runs[name]["vLLM"], runs[name]["ours"])
             summary[dtype][name] = result
-            unit = {"batch1": "ms/token", "wave": "ms"}.get(name, "tok/s")
+            unit = wl.LATENCY_METRICS.get(name, ("tok_s", "tok/s"))[1]
             print(
                 f"{dtype:>9} {name}: vLLM {result['vllm_best']:7.1f} {unit}, ours "
                 f"{result['ours_best']:7.1f} {unit} (best of {args.repeat}); ours ahead "

@@ -19,8 +19,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# Workloads reported as a latency (lower is better), by the key of their result.
-LATENCY_KEYS = {"batch1": "ms_per_token", "wave": "wave_ms"}
+# Workloads reported as a latency (lower is better): the key of their result and its unit.
+LATENCY_METRICS = {"batch1": ("ms_per_token", "ms/token"), "wave": ("wave_ms", "ms")}
 
 # Token ids are drawn above the special and byte-level tokens of SmolLM2's vocabulary.
 LOW_TOKEN = 100

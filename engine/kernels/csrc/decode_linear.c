@@ -134,7 +134,7 @@ int bf16_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
     if (xt == NULL) return -1;
     if (num_threads < 1) num_threads = 1;
     work_share ws;
-    work_share_init(&ws, NP, num_threads, 1);
+    work_share_init(&ws, NP, num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)

@@ -25,20 +25,19 @@
 
 typedef struct {
     _Atomic uint64_t ends; /* items taken from the front (low 32 bits) and from the back */
-    int64_t n, min_chunk;
+    int64_t n;
     int num_threads;
 } work_share;
 
-/* Items [0, n) (n < 2^31), claimed at least min_chunk at a time. */
-static inline void work_share_init(work_share *w, int64_t n, int num_threads, int64_t min_chunk) {
+/* Items [0, n) (n < 2^31) for a region of num_threads threads. */
+static inline void work_share_init(work_share *w, int64_t n, int num_threads) {
     atomic_init(&w->ends, 0);
     w->n = n;
-    w->min_chunk = min_chunk > 0 ? min_chunk : 1;
     w->num_threads = num_threads > 0 ? num_threads : 1;
 }
 
 /* Claims the next chunk for thread tid: items [*begin, *end), a 2 * num_threads'th of what is
- * left (at least min_chunk), from the front for an even tid, from the back for an odd one.
+ * left (at least one item), from the front for an even tid, from the back for an odd one.
  * Returns 0 when nothing is left. */
 static inline int work_share_claim(work_share *w, int tid, int64_t *begin, int64_t *end) {
     uint64_t old = atomic_load_explicit(&w->ends, memory_order_relaxed);
@@ -47,8 +46,7 @@ static inline int work_share_claim(work_share *w, int tid, int64_t *begin, int64
         const int64_t left = w->n - f - b;
         if (left <= 0) return 0;
         int64_t take = left / (2 * w->num_threads);
-        if (take < w->min_chunk) take = w->min_chunk;
-        if (take > left) take = left;
+        if (take < 1) take = 1;
         const uint64_t next = (tid & 1) ? old + ((uint64_t)take << 32) : old + (uint64_t)take;
         if (atomic_compare_exchange_weak_explicit(&w->ends, &old, next, memory_order_relaxed,
                                                   memory_order_relaxed)) {
