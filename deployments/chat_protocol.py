@@ -7,7 +7,15 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from deployments import tool_calls
 from deployments.output_fields import FunctionCall, NamedToolChoice, Tool, ToolCall
@@ -59,7 +67,11 @@ class Conversation(BaseModel):
     model_config = ConfigDict(extra="ignore")
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
-    add_generation_prompt: StrictBool = True
+    # None: the template opens an assistant turn unless the final message is continued.
+    add_generation_prompt: StrictBool | None = None
+    # vLLM's field: the output continues the final message (an assistant's answer begun by
+    # the client) instead of starting a turn of its own.
+    continue_final_message: StrictBool = False
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -67,6 +79,20 @@ class Conversation(BaseModel):
         if isinstance(v, list) and not v:
             raise ValueError("must contain at least one message")
         return v
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_ending(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("add_generation_prompt"):
+            raise ValueError("cannot be true together with add_generation_prompt")
+        return v
+
+    @property
+    def generation_prompt(self) -> bool:
+        """Whether the chat template ends the prompt with the opening of an assistant turn."""
+        if self.add_generation_prompt is not None:
+            return self.add_generation_prompt
+        return not self.continue_final_message
 
     def conversation(self) -> list[dict[str, Any]]:
         # "developer" is OpenAI's newer name for "system"; chat templates know "system".

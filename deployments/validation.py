@@ -132,7 +132,8 @@ class RequestValidator:
             text = self.tokenizer.apply_chat_template(
                 req.conversation(),
                 tools=req.tool_definitions(),
-                add_generation_prompt=req.add_generation_prompt,
+                add_generation_prompt=req.generation_prompt,
+                continue_final_message=req.continue_final_message,
                 tokenize=False,
             )
             ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -133,6 +133,7 @@ chat_body = st.fixed_dictionaries(
         ),
         "tool_choice": field(st.sampled_from(["none", "auto", "required", "f"])),
         "add_generation_prompt": field(st.booleans()),
+        "continue_final_message": field(st.booleans()),
     },
 )
 GEN_PATHS = ["/v1/completions", "/v1/chat/completions"]

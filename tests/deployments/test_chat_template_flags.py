@@ -1,0 +1,69 @@
+"""How a chat request's messages end: ``add_generation_prompt`` and vLLM's
+``continue_final_message`` reach the chat template as transformers takes them, and the two
+together are a 400 naming the field (as vLLM refuses them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from deployments.config import AppArgs
+from deployments.http_errors import HTTPError
+from deployments.validation import RequestValidator
+
+BEGUN = [
+    {"role": "user", "content": "Name the capital of France."},
+    {"role": "assistant", "content": "The capital of France is"},
+]
+
+
+@pytest.fixture(scope="module")
+def validator(tiny_llama_with_tokenizer: Path) -> RequestValidator:
+    return RequestValidator(
+        AppArgs.model_validate({"model": str(tiny_llama_with_tokenizer), "served_model_name": "m"})
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_with_tokenizer: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_llama_with_tokenizer)
+
+
+def reference(tokenizer: Any, messages: list[dict], **flags: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **flags)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def prompt(validator: RequestValidator, messages: list[dict], **fields: Any) -> list[int]:
+    return validator.chat({"messages": messages, "max_tokens": 4, **fields}).prompts[0]
+
+
+def test_a_continued_final_message_ends_the_prompt(
+    validator: RequestValidator, tokenizer: Any
+) -> None:
+    ids = prompt(validator, BEGUN, continue_final_message=True)
+    assert ids == reference(tokenizer, BEGUN, continue_final_message=True)
+    assert tokenizer.decode(ids).endswith("The capital of France is")
+    # Also with the generation prompt turned off explicitly, as vLLM's clients send it.
+    assert ids == prompt(validator, BEGUN, continue_final_message=True, add_generation_prompt=False)
+
+
+def test_by_default_the_prompt_opens_an_assistant_turn(
+    validator: RequestValidator, tokenizer: Any
+) -> None:
+    ids = prompt(validator, BEGUN)
+    assert ids == reference(tokenizer, BEGUN, add_generation_prompt=True)
+    assert ids != prompt(validator, BEGUN, continue_final_message=True)
+    assert prompt(validator, BEGUN, add_generation_prompt=False) == reference(
+        tokenizer, BEGUN, add_generation_prompt=False
+    )
+
+
+def test_continuing_and_opening_a_turn_at_once_is_refused(validator: RequestValidator) -> None:
+    with pytest.raises(HTTPError) as e:
+        prompt(validator, BEGUN, continue_final_message=True, add_generation_prompt=True)
+    assert e.value.status == 400
+    assert e.value.param == "continue_final_message"
