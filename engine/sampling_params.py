@@ -26,7 +26,7 @@ SEED_MAX = 2**64 - 1
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` is greedy. ``top_k <= 0``, ``top_p == 1`` and ``min_p == 0`` disable
+    ``temperature == 0`` is greedy. ``top_k`` 0 or -1, ``top_p == 1`` and ``min_p == 0`` disable
     those filters (``min_p`` drops tokens less likely than ``min_p`` times the most likely one).
     Before sampling (and before the greedy argmax) the logits are adjusted in this order:
     ``logit_bias`` (token id -> added value); ``repetition_penalty`` on every token of the prompt
@@ -124,6 +124,9 @@ class SamplingParams:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k):
             raise ValueError(f"top_k: must be an integer, got {self.top_k!r}")
+        if self.top_k < -1:
+            # As vLLM: -1 and 0 turn it off; anything lower is a mistake, not a setting.
+            raise ValueError(f"top_k: must be 0 or -1 (off) or at least 1, got {self.top_k}")
         if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p: must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -22,6 +22,7 @@ from engine.sampling_params import MAX_LOGPROBS, SamplingParams
         ("top_p", -0.5),
         ("top_p", 1.01),
         ("top_k", 2.5),
+        ("top_k", -2),
         ("seed", "seven"),
         ("logprobs", -1),
         ("logprobs", MAX_LOGPROBS + 1),
