@@ -16,7 +16,7 @@ becomes a structured output too.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -106,6 +106,10 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's fields: keep this many prompt tokens (-1: as many as leave room for max_tokens and
+    # one more), the last ones unless truncation_side is "right".
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
 
     @field_validator("deadline_ms", mode="before")
     @classmethod
@@ -121,6 +125,23 @@ class SamplingFields(BaseModel):
         # A union of str and list[str] would report a list's errors after the str branch's
         # "Input should be a valid string"; one list type names the real fault.
         return [v] if isinstance(v, str) else v
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as ``truncate_prompt_tokens`` cuts it (vLLM's rule: room is kept for the
+        requested ``max_tokens``, none asked for meaning none kept)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        room = max_model_len - (self.max_tokens or 0)
+        if keep == -1:
+            keep = room - 1
+        if not 1 <= keep <= room:
+            raise ProtocolError(
+                f"truncate_prompt_tokens: must be -1 or in [1, {room}] (the context length "
+                f"{max_model_len} less max_tokens), got {self.truncate_prompt_tokens}",
+                "truncate_prompt_tokens",
+            )
+        return prompt_ids[:keep] if self.truncation_side == "right" else prompt_ids[-keep:]
 
     def _check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:

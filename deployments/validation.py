@@ -24,7 +24,7 @@ from deployments.chat_protocol import ChatCompletionRequest, Conversation
 from deployments.config import AppArgs
 from deployments.http_errors import HTTPError, validation_message
 from deployments.openai_format import Echo, ResponseBuilder, ToolParsing
-from deployments.protocol import CompletionRequest, ProtocolError
+from deployments.protocol import CompletionRequest, ProtocolError, SamplingFields
 from deployments.tokenize_protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -115,6 +115,12 @@ class RequestValidator:
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
         except Exception as e:  # noqa: BLE001 - e.g. lone surrogates: the client's input
             raise HTTPError(400, f"prompt: cannot be tokenized: {e}", param="prompt") from e
+
+    def _truncated(self, req: SamplingFields, prompt_ids: list[int]) -> list[int]:
+        try:
+            return req.truncated(prompt_ids, self.max_model_len)
+        except ProtocolError as e:
+            raise HTTPError(400, str(e), param=e.param) from e
 
     def _decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
@@ -208,15 +214,17 @@ class RequestValidator:
         except ProtocolError as e:
             raise HTTPError(400, str(e), param=e.param) from e
         self._check_sequences(len(prompts), req.n)
-        prompt_ids = [self._tokenize(p) for p in prompts]
+        tokenized = [self._tokenize(p) for p in prompts]
+        prompt_ids = [self._truncated(req, ids) for ids in tokenized]
         for ids in prompt_ids:
             self._check_lengths(ids, params.max_tokens, "max_tokens")
         self._check_token_ids(params)
         echo = None
         if req.echo:
+            # A truncated prompt is echoed as the model saw it.
             echo = [
-                Echo(p if isinstance(p, str) else self._decode(ids), ids)
-                for p, ids in zip(prompts, prompt_ids, strict=True)
+                Echo(p if isinstance(p, str) and len(ids) == len(whole) else self._decode(ids), ids)
+                for p, whole, ids in zip(prompts, tokenized, prompt_ids, strict=True)
             ]
         builder = ResponseBuilder(
             "completion",
@@ -236,7 +244,7 @@ class RequestValidator:
         self._check_model(req.model)
         self._check_priority(req.priority)
         self._check_sequences(1, req.n)
-        prompt_ids = self._chat_tokens(req)
+        prompt_ids = self._truncated(req, self._chat_tokens(req))
         # Chat defaults to "until the context is full", capped by the configured limit.
         default_max = max(1, min(self.args.limits.max_tokens, self.max_model_len - len(prompt_ids)))
         try:
