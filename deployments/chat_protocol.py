@@ -24,6 +24,28 @@ from deployments.request_limits import MAX_CONTENT_PARTS, MAX_MESSAGE_CHARS, MAX
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.structured_output import StructuredOutputs
 
+# Arguments of transformers' apply_chat_template that the request's own fields (or the server)
+# set: chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_ARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -72,6 +94,8 @@ class Conversation(BaseModel):
     # vLLM's field: the output continues the final message (an assistant's answer begun by
     # the client) instead of starting a turn of its own.
     continue_final_message: StrictBool = False
+    # vLLM's field: more variables for the chat template (Qwen3's enable_thinking, ...).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -85,6 +109,14 @@ class Conversation(BaseModel):
     def _one_ending(cls, v: bool, info: ValidationInfo) -> bool:
         if v and info.data.get("add_generation_prompt"):
             raise ValueError("cannot be true together with add_generation_prompt")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(v or ()) & RESERVED_TEMPLATE_ARGS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by the request's own fields, not here")
         return v
 
     @property

@@ -141,6 +141,7 @@ class RequestValidator:
                 add_generation_prompt=req.generation_prompt,
                 continue_final_message=req.continue_final_message,
                 tokenize=False,
+                **(req.chat_template_kwargs or {}),
             )
             ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except Exception as e:  # noqa: BLE001 - template errors are the client's input

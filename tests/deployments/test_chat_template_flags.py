@@ -1,6 +1,7 @@
-"""How a chat request's messages end: ``add_generation_prompt`` and vLLM's
-``continue_final_message`` reach the chat template as transformers takes them, and the two
-together are a 400 naming the field (as vLLM refuses them)."""
+"""What a chat request passes its template besides the messages: ``add_generation_prompt`` and
+vLLM's ``continue_final_message`` reach it as transformers takes them (the two together are a
+400 naming the field, as vLLM refuses them), and vLLM's ``chat_template_kwargs`` become template
+variables, but never the arguments the request's own fields set."""
 
 from __future__ import annotations
 
@@ -67,3 +68,38 @@ def test_continuing_and_opening_a_turn_at_once_is_refused(validator: RequestVali
         prompt(validator, BEGUN, continue_final_message=True, add_generation_prompt=True)
     assert e.value.status == 400
     assert e.value.param == "continue_final_message"
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n{% endif %}"
+    "{% endif %}"
+)
+
+
+def test_template_kwargs_become_template_variables(tiny_llama_with_tokenizer: Path) -> None:
+    validator = RequestValidator(
+        AppArgs.model_validate({"model": str(tiny_llama_with_tokenizer), "served_model_name": "m"})
+    )
+    validator.tokenizer.chat_template = THINKING_TEMPLATE
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_with_tokenizer)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    question = BEGUN[:1]
+    off = prompt(validator, question, chat_template_kwargs={"enable_thinking": False})
+    assert off == reference(tokenizer, question, add_generation_prompt=True, enable_thinking=False)
+    assert tokenizer.decode(off).endswith("<think>\n\n</think>\n")
+    assert prompt(validator, question) == reference(tokenizer, question, add_generation_prompt=True)
+    assert prompt(validator, question) != off
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"tokenize": True}, {"add_generation_prompt": False, "x": 1}, [1, 2], "on"]
+)
+def test_template_kwargs_may_not_set_the_request_s_own_arguments(
+    validator: RequestValidator, kwargs: Any
+) -> None:
+    with pytest.raises(HTTPError) as e:
+        prompt(validator, BEGUN, chat_template_kwargs=kwargs)
+    assert e.value.status == 400
+    assert e.value.param == "chat_template_kwargs"
