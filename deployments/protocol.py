@@ -35,6 +35,7 @@ from deployments.output_fields import (
 from deployments.request_limits import (
     INT64_MAX,
     INT64_MIN,
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_CACHE_SALT_CHARS,
     MAX_DEADLINE_MS,
     MAX_LOGIT_BIAS,
@@ -82,6 +83,9 @@ class SamplingFields(BaseModel):
     # One string or a list; a string arrives here as a list of one (see _stop_as_list).
     stop: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    allowed_token_ids: (
+        Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None
+    ) = None
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -236,6 +240,7 @@ class SamplingFields(BaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "structured_outputs": structured_outputs,
+            "allowed_token_ids": self.allowed_token_ids,
         }
         try:
             return SamplingParams(**kwargs)

@@ -26,6 +26,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 # Entries of logit_bias (OpenAI's own bound).
 MAX_LOGIT_BIAS = 300
+# Entries of allowed_token_ids (vLLM's field): a mask over the vocabulary is built from them.
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 # Chat messages per request, characters of one message's content, and content parts of one message.
 MAX_MESSAGES = 1024
 MAX_MESSAGE_CHARS = 1 << 20

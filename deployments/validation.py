@@ -162,6 +162,7 @@ class RequestValidator:
     def _check_token_ids(self, params: SamplingParams) -> None:
         for name, ids in (
             ("logit_bias", params.logit_bias),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
             ("stop_token_ids", params.stop_token_ids),
         ):
             if any(t >= self.vocab_size for t in ids):

@@ -251,6 +251,8 @@ class LLMEngine:
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.allowed_token_ids or ()):
+            raise ValueError(f"allowed_token_ids: token ids must be in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens leave no room to generate within "

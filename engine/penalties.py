@@ -1,7 +1,8 @@
 """Logit adjustments that depend on a request's own tokens: bias and repetition penalties.
 
 Applied to float32 logits before stop-token suppression and sampling, in the order
-``SamplingParams`` documents (the order of transformers' logits processors): ``logit_bias``,
+``SamplingParams`` documents: tokens outside ``allowed_token_ids`` masked, then (the order of
+transformers' logits processors) ``logit_bias``,
 ``repetition_penalty`` over prompt and output tokens, then ``frequency_penalty`` and
 ``presence_penalty`` over output tokens only (OpenAI's definition), on the logits' device (the
 index and value tensors are built on the CPU and moved there). Only the rows of requests
@@ -32,6 +33,13 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     vocab = logits.shape[1]
     out = logits.clone()
     flat = out.view(-1)
+
+    for i in rows:
+        allowed = requests[i].sampling_params.allowed_token_array()
+        if allowed.size:
+            banned = torch.ones(vocab, dtype=torch.bool)
+            banned[torch.from_numpy(allowed[allowed < vocab])] = False
+            out[i].masked_fill_(banned.to(out.device), float("-inf"))
 
     biased = [i for i in rows if requests[i].sampling_params.logit_bias]
     if biased:

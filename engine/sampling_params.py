@@ -41,8 +41,10 @@ class SamplingParams:
     ``structured_outputs`` constrains the output to a grammar (JSON schema, regex, choices): each
     step samples only tokens it allows, and the request stops when the grammar is complete.
 
-    After construction ``stop`` is a ``StopStrings`` and ``stop_token_ids`` a frozenset; they and
-    ``logit_bias`` are never changed afterwards, so copies (``with_seed``: a request's choices)
+    ``allowed_token_ids`` (vLLM's) leaves only those tokens to sample, before the adjustments.
+
+    After construction ``stop`` is a ``StopStrings``, ``stop_token_ids`` and
+    ``allowed_token_ids`` frozensets; they and ``logit_bias`` are never changed afterwards, so copies (``with_seed``: a request's choices)
     share them instead of copying and re-validating them.
     """
 
@@ -65,6 +67,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's field: only these tokens may be sampled (None: any).
+    allowed_token_ids: Collection[int] | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -76,6 +80,11 @@ class SamplingParams:
         except TypeError:
             raise ValueError("stop_token_ids: must be non-negative integers") from None
         self.logit_bias = dict(self.logit_bias or {})
+        if self.allowed_token_ids is not None:
+            try:
+                self.allowed_token_ids = frozenset(self.allowed_token_ids)
+            except TypeError:
+                raise ValueError("allowed_token_ids: must be token ids >= 0") from None
         self.validate()
 
     def with_seed(self, seed: int) -> SamplingParams:
@@ -99,10 +108,20 @@ class SamplingParams:
             self.__dict__["_logit_bias_arrays"] = arrays
         return arrays
 
+    def allowed_token_array(self) -> np.ndarray:
+        """``allowed_token_ids`` as int64 token ids, built on first use and kept."""
+        array = self.__dict__.get("_allowed_token_array")
+        if array is None:
+            ids = self.allowed_token_ids or ()
+            array = np.fromiter(ids, dtype=np.int64, count=len(ids))
+            self.__dict__["_allowed_token_array"] = array
+        return array
+
     def __getstate__(self) -> dict[str, Any]:
         # Derived arrays stay behind: pickles (to another process) and copies rebuild them.
         state = dict(self.__dict__)
         state.pop("_logit_bias_arrays", None)
+        state.pop("_allowed_token_array", None)
         return state
 
     def validate(self) -> None:
@@ -155,6 +174,11 @@ class SamplingParams:
                 raise ValueError(f"{name}: must be an integer in [0, {MAX_LOGPROBS}]")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: must be non-negative integers")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids
+            or any(not is_int(t) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise ValueError("allowed_token_ids: must be one or more token ids >= 0")
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputs
         ):
@@ -166,9 +190,11 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a penalty or a bias changes the logits (and so can change a greedy pick)."""
+        """Whether a penalty, a bias or an allowed set changes the logits (and so can change a
+        greedy pick)."""
         return bool(
             self.logit_bias
+            or self.allowed_token_ids
             or self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0

@@ -106,6 +106,18 @@ BOUNDS = {
         "stop_token_ids",
         f"[0, {VOCAB})",
     ),
+    "allowed_token_ids vocabulary": (
+        completion(allowed_token_ids=[0, VOCAB - 1]),
+        completion(allowed_token_ids=[0, VOCAB]),
+        "allowed_token_ids",
+        f"[0, {VOCAB})",
+    ),
+    "allowed_token_ids count": (
+        completion(allowed_token_ids=[1]),
+        completion(allowed_token_ids=[]),
+        "allowed_token_ids",
+        "at least 1 item",
+    ),
     "logit_bias count": (
         completion(logit_bias={str(t): 1.0 for t in range(MAX_LOGIT_BIAS)}),
         completion(logit_bias={str(t): 1.0 for t in range(MAX_LOGIT_BIAS + 1)}),

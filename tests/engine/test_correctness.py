@@ -188,3 +188,25 @@ def test_logit_bias_matches_transformers(tiny_llama, prompts, reference):
     )
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == biased
+
+
+def test_allowed_token_ids_match_transformers(tiny_llama, prompts, reference):
+    """vLLM's allowed_token_ids does what transformers' prefix_allowed_tokens_fn does with a fixed
+    set: only those tokens are picked. Greedy requests without one share the batch unchanged, and
+    sampled ones stay within the set too."""
+    picked = sorted({t for tokens in reference for t in tokens})
+    allowed = picked[1::2] + [7, 11]  # half of what greedy picks, and two others
+    constrained = hf_greedy(
+        tiny_llama, prompts, MAX_NEW, prefix_allowed_tokens_fn=lambda batch, ids: allowed
+    )
+    assert constrained != reference
+    assert all(t in allowed for tokens in constrained for t in tokens)
+    llm = LLM(model=str(tiny_llama), dtype="float32")
+    params = SamplingParams(
+        max_tokens=MAX_NEW, temperature=0.0, min_tokens=MAX_NEW, allowed_token_ids=allowed
+    )
+    outs = llm.generate(prompts + prompts, [params] * len(prompts) + [greedy()] * len(prompts))
+    assert [o.token_ids for o in outs] == constrained + reference
+    sampled = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, seed=5, allowed_token_ids=allowed)
+    for out in llm.generate(prompts, sampled):
+        assert out.token_ids and set(out.token_ids) <= set(allowed)

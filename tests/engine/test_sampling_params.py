@@ -41,6 +41,10 @@ from engine.sampling_params import MAX_LOGPROBS, SamplingParams
         ("logit_bias", {"5": 1.0}),
         ("logit_bias", {5: 101.0}),
         ("logit_bias", {5: "high"}),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [3, -1]),
+        ("allowed_token_ids", [2.5]),
+        ("allowed_token_ids", 7),
     ],
 )
 def test_bad_values_name_their_field(field, value):
