@@ -96,6 +96,9 @@ class Conversation(BaseModel):
     continue_final_message: StrictBool = False
     # vLLM's field: more variables for the chat template (Qwen3's enable_thinking, ...).
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's field: special tokens (a BOS) added on top of the template's own; off, as the
+    # template writes them.
+    add_special_tokens: StrictBool = False
 
     @field_validator("messages", mode="before")
     @classmethod

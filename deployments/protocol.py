@@ -130,13 +130,15 @@ class SamplingFields(BaseModel):
         # "Input should be a valid string"; one list type names the real fault.
         return [v] if isinstance(v, str) else v
 
-    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+    def truncated(
+        self, prompt_ids: list[int], max_model_len: int, max_tokens: int | None
+    ) -> list[int]:
         """The prompt as ``truncate_prompt_tokens`` cuts it (vLLM's rule: room is kept for the
         requested ``max_tokens``, none asked for meaning none kept)."""
         keep = self.truncate_prompt_tokens
         if keep is None:
             return prompt_ids
-        room = max_model_len - (self.max_tokens or 0)
+        room = max_model_len - (max_tokens or 0)
         if keep == -1:
             keep = room - 1
         if not 1 <= keep <= room:

@@ -26,7 +26,6 @@ class TokenizeChatRequest(Conversation):
     the template unless ``add_special_tokens``."""
 
     model: str | None = None
-    add_special_tokens: StrictBool = False
     return_token_strs: StrictBool = False
 
 

@@ -116,16 +116,18 @@ class RequestValidator:
         except Exception as e:  # noqa: BLE001 - e.g. lone surrogates: the client's input
             raise HTTPError(400, f"prompt: cannot be tokenized: {e}", param="prompt") from e
 
-    def _truncated(self, req: SamplingFields, prompt_ids: list[int]) -> list[int]:
+    def _truncated(
+        self, req: SamplingFields, prompt_ids: list[int], max_tokens: int | None
+    ) -> list[int]:
         try:
-            return req.truncated(prompt_ids, self.max_model_len)
+            return req.truncated(prompt_ids, self.max_model_len, max_tokens)
         except ProtocolError as e:
             raise HTTPError(400, str(e), param=e.param) from e
 
     def _decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
-    def _chat_tokens(self, req: Conversation, add_special_tokens: bool = False) -> list[int]:
+    def _chat_tokens(self, req: Conversation) -> list[int]:
         """The conversation through the chat template (tools included), then tokenized; special
         tokens come from the template alone unless ``add_special_tokens``."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -143,7 +145,7 @@ class RequestValidator:
                 tokenize=False,
                 **(req.chat_template_kwargs or {}),
             )
-            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
         except Exception as e:  # noqa: BLE001 - template errors are the client's input
             raise HTTPError(400, f"messages: chat template failed: {e}", param="messages") from e
         return list(ids)
@@ -217,7 +219,7 @@ class RequestValidator:
             raise HTTPError(400, str(e), param=e.param) from e
         self._check_sequences(len(prompts), req.n)
         tokenized = [self._tokenize(p) for p in prompts]
-        prompt_ids = [self._truncated(req, ids) for ids in tokenized]
+        prompt_ids = [self._truncated(req, ids, req.max_tokens) for ids in tokenized]
         for ids in prompt_ids:
             self._check_lengths(ids, params.max_tokens, "max_tokens")
         self._check_token_ids(params)
@@ -246,7 +248,10 @@ class RequestValidator:
         self._check_model(req.model)
         self._check_priority(req.priority)
         self._check_sequences(1, req.n)
-        prompt_ids = self._truncated(req, self._chat_tokens(req))
+        requested = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
+        prompt_ids = self._truncated(req, self._chat_tokens(req), requested)
         # Chat defaults to "until the context is full", capped by the configured limit.
         default_max = max(1, min(self.args.limits.max_tokens, self.max_model_len - len(prompt_ids)))
         try:
@@ -284,7 +289,7 @@ class RequestValidator:
         req = self._parse(TokenizeChatRequest if is_chat else TokenizeCompletionRequest, body)
         self._check_model(req.model)
         if is_chat:
-            ids = self._chat_tokens(req, req.add_special_tokens)
+            ids = self._chat_tokens(req)
         elif self.tokenizer is None:
             raise HTTPError(400, "prompt: this model has no tokenizer", param="prompt")
         else:

@@ -77,3 +77,14 @@ def test_an_echoed_prompt_is_the_truncated_one(validator: RequestValidator, toke
     kept = tokenizer.encode(TEXT)[-6:]
     assert job.prompts[0] == kept
     assert job.builder.echo[0].text == tokenizer.decode(kept)
+
+
+def test_chat_keeps_room_for_max_completion_tokens(validator: RequestValidator) -> None:
+    messages = [{"role": "user", "content": "word " * (validator.max_model_len + 100)}]
+    whole = validator.chat({"messages": messages, "max_tokens": 1, "truncate_prompt_tokens": 8})
+    assert len(whole.prompts[0]) == 8
+    job = validator.chat(
+        {"messages": messages, "max_completion_tokens": 20, "truncate_prompt_tokens": -1}
+    )
+    assert len(job.prompts[0]) == validator.max_model_len - 20 - 1
+    assert job.params.max_tokens == 20
