@@ -105,6 +105,7 @@ class ResponseBuilder:
         echo_only: bool = False,
         report_cached: bool = True,
         tools: ToolParsing | None = None,
+        tokens_as_ids: bool = False,
     ) -> None:
         self.chat = kind == "chat"
         self.id = request_id
@@ -115,6 +116,8 @@ class ResponseBuilder:
         self.echo = None if self.chat else echo
         self.echo_only = echo_only and self.echo is not None
         self.report_cached = report_cached
+        # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>".
+        self.tokens_as_ids = tokens_as_ids
         if echo is not None and len(echo) != num_prompts:
             raise ValueError("echo: one per prompt")
         self.num_choices = n * num_prompts
@@ -128,10 +131,14 @@ class ResponseBuilder:
             else []
         )
 
-    def _token_str(self, token_id: int) -> str:
+    def _text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"<{token_id}>"
         return self.tokenizer.decode([token_id])
+
+    def _token_str(self, token_id: int) -> str:
+        """A token as logprobs name it."""
+        return f"token_id:{token_id}" if self.tokens_as_ids else self._text(token_id)
 
     def logprobs(self, raw: list | None, index: int = 0) -> dict[str, Any] | None:
         if raw is None:
@@ -158,12 +165,13 @@ class ResponseBuilder:
             return {"content": content}
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for token_id, logprob, top in raw:
-            tok = self._token_str(token_id)
-            tokens.append(tok)
+            text = self._text(token_id)
+            tokens.append(f"token_id:{token_id}" if self.tokens_as_ids else text)
             token_logprobs.append(finite_logprob(logprob))
             tops.append({self._token_str(t): finite_logprob(lp) for t, lp in top} if top else None)
             offsets.append(self.text_offsets[index])
-            self.text_offsets[index] += len(tok)
+            # Offsets are into the text, whatever the tokens are named.
+            self.text_offsets[index] += len(text)
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,

@@ -103,6 +103,7 @@ class SamplingFields(BaseModel):
     user: str | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    return_tokens_as_token_ids: StrictBool = False
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None

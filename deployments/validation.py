@@ -240,6 +240,7 @@ class RequestValidator:
             echo=echo,
             echo_only=req.echo_only,
             report_cached=self.args.report_cache_hits,
+            tokens_as_ids=req.return_tokens_as_token_ids,
         )
         return self._job(req, prompt_ids, params, builder)
 
@@ -268,6 +269,7 @@ class RequestValidator:
             self.tokenizer,
             req.n,
             report_cached=self.args.report_cache_hits,
+            tokens_as_ids=req.return_tokens_as_token_ids,
             tools=self._tool_parsing(req),
         )
         return self._job(req, [prompt_ids], params, builder)
