@@ -36,6 +36,7 @@ from deployments.request_limits import (
     INT64_MAX,
     INT64_MIN,
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_CACHE_SALT_CHARS,
     MAX_DEADLINE_MS,
     MAX_LOGIT_BIAS,
@@ -83,6 +84,7 @@ class SamplingFields(BaseModel):
     # One string or a list; a string arrives here as a list of one (see _stop_as_list).
     stop: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    bad_words: Annotated[list[StopString], Field(max_length=MAX_BAD_WORDS)] | None = None
     allowed_token_ids: (
         Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None
     ) = None
@@ -244,6 +246,7 @@ class SamplingFields(BaseModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "structured_outputs": structured_outputs,
             "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
         }
         try:
             return SamplingParams(**kwargs)

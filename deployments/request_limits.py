@@ -24,6 +24,9 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 # Entries of stop_token_ids.
 MAX_STOP_TOKEN_IDS = 64
+# Entries of bad_words (vLLM's field; each is matched against every sequence's output per step),
+# of at most MAX_STOP_STRING_CHARS characters each.
+MAX_BAD_WORDS = 64
 # Entries of logit_bias (OpenAI's own bound).
 MAX_LOGIT_BIAS = 300
 # Entries of allowed_token_ids (vLLM's field): a mask over the vocabulary is built from them.

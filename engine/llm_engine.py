@@ -15,6 +15,7 @@ import torch
 
 from engine.allocator import keep_freed_memory
 from engine.attention import backend_for_model, select_backend
+from engine.bad_words import word_token_ids
 from engine.block_hash import BlockHash, hash_key, hash_root
 from engine.config import EngineConfig
 from engine.cpuinfo import cpu_has_bf16
@@ -390,6 +391,10 @@ class LLMEngine:
             hash_root=self.hash_root(cache_salt),
             group_id=group_id,
         )
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words: this model has no tokenizer")
+            request.bad_word_tokens = word_token_ids(self.tokenizer, params.bad_words)
         if params.seed is not None:
             request.generator = torch.Generator().manual_seed(params.seed)
         if params.structured_outputs is not None:

@@ -1,8 +1,8 @@
-"""Logit adjustments that depend on a request's own tokens: bias and repetition penalties.
+"""Logit adjustments that depend on a request's own tokens: masks, bias and repetition penalties.
 
 Applied to float32 logits before stop-token suppression and sampling, in the order
-``SamplingParams`` documents: tokens outside ``allowed_token_ids`` masked, then (the order of
-transformers' logits processors) ``logit_bias``,
+``SamplingParams`` documents: tokens outside ``allowed_token_ids`` and those that would complete
+a bad word masked, then (the order of transformers' logits processors) ``logit_bias``,
 ``repetition_penalty`` over prompt and output tokens, then ``frequency_penalty`` and
 ``presence_penalty`` over output tokens only (OpenAI's definition), on the logits' device (the
 index and value tensors are built on the CPU and moved there). Only the rows of requests
@@ -17,6 +17,7 @@ import itertools
 import numpy as np
 import torch
 
+from engine.bad_words import banned_tokens
 from engine.request import Request
 
 
@@ -40,6 +41,10 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
             banned = torch.ones(vocab, dtype=torch.bool)
             banned[torch.from_numpy(allowed[allowed < vocab])] = False
             out[i].masked_fill_(banned.to(out.device), float("-inf"))
+        if requests[i].bad_word_tokens:
+            words = banned_tokens(requests[i].bad_word_tokens, requests[i].output_token_ids)
+            if words:
+                out[i, [t for t in words if t < vocab]] = float("-inf")
 
     biased = [i for i in rows if requests[i].sampling_params.logit_bias]
     if biased:

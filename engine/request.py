@@ -145,6 +145,8 @@ class Request:
         # With structured_outputs: the grammar matcher (llguidance.LLMatcher), set by the engine;
         # it has consumed exactly the output tokens, so it survives preemption unchanged.
         self.grammar: Any = None
+        # With bad_words: their token sequences (engine.bad_words), set by the engine.
+        self.bad_word_tokens: tuple[tuple[int, ...], ...] = ()
         self.update_block_hashes()
 
     # -- derived ---------------------------------------------------------------------------------

@@ -41,10 +41,13 @@ class SamplingParams:
     ``structured_outputs`` constrains the output to a grammar (JSON schema, regex, choices): each
     step samples only tokens it allows, and the request stops when the grammar is complete.
 
-    ``allowed_token_ids`` (vLLM's) leaves only those tokens to sample, before the adjustments.
+    ``allowed_token_ids`` (vLLM's) leaves only those tokens to sample, and ``bad_words`` (vLLM's)
+    bans the tokens that would complete one of those words (``engine.bad_words``), both before
+    the adjustments.
 
     After construction ``stop`` is a ``StopStrings``, ``stop_token_ids`` and
-    ``allowed_token_ids`` frozensets; they and ``logit_bias`` are never changed afterwards, so copies (``with_seed``: a request's choices)
+    ``allowed_token_ids`` frozensets, ``bad_words`` a tuple; they and ``logit_bias`` are never
+    changed afterwards, so copies (``with_seed``: a request's choices)
     share them instead of copying and re-validating them.
     """
 
@@ -69,6 +72,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
     # vLLM's field: only these tokens may be sampled (None: any).
     allowed_token_ids: Collection[int] | None = None
+    # vLLM's field: words the output may not contain (engine.bad_words).
+    bad_words: Collection[str] | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -80,6 +85,10 @@ class SamplingParams:
         except TypeError:
             raise ValueError("stop_token_ids: must be non-negative integers") from None
         self.logit_bias = dict(self.logit_bias or {})
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str):
+                raise ValueError("bad_words: must be a list of strings")
+            self.bad_words = tuple(self.bad_words)
         if self.allowed_token_ids is not None:
             try:
                 self.allowed_token_ids = frozenset(self.allowed_token_ids)
@@ -179,6 +188,10 @@ class SamplingParams:
             or any(not is_int(t) or t < 0 for t in self.allowed_token_ids)
         ):
             raise ValueError("allowed_token_ids: must be one or more token ids >= 0")
+        if self.bad_words is not None and any(
+            not isinstance(w, str) or not w.strip() for w in self.bad_words
+        ):
+            raise ValueError("bad_words: every bad word must be a non-blank string")
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputs
         ):
@@ -195,6 +208,7 @@ class SamplingParams:
         return bool(
             self.logit_bias
             or self.allowed_token_ids
+            or self.bad_words
             or self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0

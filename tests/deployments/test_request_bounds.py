@@ -23,6 +23,7 @@ from deployments.openai_format import ResponseBuilder
 from deployments.request_limits import (
     INT64_MAX,
     INT64_MIN,
+    MAX_BAD_WORDS,
     MAX_CONTENT_PARTS,
     MAX_LOGIT_BIAS,
     MAX_MESSAGE_CHARS,
@@ -105,6 +106,18 @@ BOUNDS = {
         completion(stop_token_ids=[VOCAB]),
         "stop_token_ids",
         f"[0, {VOCAB})",
+    ),
+    "bad_words count": (
+        completion(bad_words=[f"w{i}" for i in range(MAX_BAD_WORDS)]),
+        completion(bad_words=[f"w{i}" for i in range(MAX_BAD_WORDS + 1)]),
+        "bad_words",
+        f"at most {MAX_BAD_WORDS} items",
+    ),
+    "bad_words blank": (
+        completion(bad_words=["w"]),
+        completion(bad_words=["w", " "]),
+        "bad_words",
+        "non-blank",
     ),
     "allowed_token_ids vocabulary": (
         completion(allowed_token_ids=[0, VOCAB - 1]),
