@@ -106,6 +106,7 @@ class ResponseBuilder:
         report_cached: bool = True,
         tools: ToolParsing | None = None,
         tokens_as_ids: bool = False,
+        continuous_usage: bool = False,
     ) -> None:
         self.chat = kind == "chat"
         self.id = request_id
@@ -118,6 +119,8 @@ class ResponseBuilder:
         self.report_cached = report_cached
         # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>".
         self.tokens_as_ids = tokens_as_ids
+        # vLLM's continuous_usage_stats: each content chunk carries the usage so far.
+        self.continuous_usage = continuous_usage
         if echo is not None and len(echo) != num_prompts:
             raise ValueError("echo: one per prompt")
         self.num_choices = n * num_prompts
@@ -249,6 +252,8 @@ class ResponseBuilder:
         if item.finished:
             choice["stop_reason"] = item.stop_reason
         body["choices"] = [choice]
+        if self.continuous_usage:
+            body["usage"] = usage(self.lasts, self.n, not self.echo_only, self.report_cached)
         return body
 
     def _tool_delta(

@@ -68,6 +68,8 @@ class ProtocolError(ValueError):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
+    # vLLM's field: with include_usage, every chunk carries the usage so far.
+    continuous_usage_stats: StrictBool = False
 
 
 class SamplingFields(BaseModel):
@@ -269,6 +271,12 @@ class SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
 
 
 class CompletionRequest(SamplingFields):

@@ -241,6 +241,7 @@ class RequestValidator:
             echo_only=req.echo_only,
             report_cached=self.args.report_cache_hits,
             tokens_as_ids=req.return_tokens_as_token_ids,
+            continuous_usage=req.continuous_usage,
         )
         return self._job(req, prompt_ids, params, builder)
 
@@ -270,6 +271,7 @@ class RequestValidator:
             req.n,
             report_cached=self.args.report_cache_hits,
             tokens_as_ids=req.return_tokens_as_token_ids,
+            continuous_usage=req.continuous_usage,
             tools=self._tool_parsing(req),
         )
         return self._job(req, [prompt_ids], params, builder)
