@@ -116,3 +116,23 @@ def undeploy(name: str = "prefixserve") -> None:
     from ray import serve
 
     serve.delete(name)
+
+
+@pytest.fixture(scope="session")
+def tiny_validator(tiny_llama_with_tokenizer: Any) -> Any:
+    """The request validator of a tiny model with SmolLM2's tokenizer and chat template
+    (stateless per request, so one serves every test that does not change it)."""
+    from deployments.config import AppArgs
+    from deployments.validation import RequestValidator
+
+    return RequestValidator(
+        AppArgs.model_validate({"model": str(tiny_llama_with_tokenizer), "served_model_name": "m"})
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_llama_with_tokenizer: Any) -> Any:
+    """That model's tokenizer, loaded apart from the validator's: the reference to compare with."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama_with_tokenizer)

@@ -21,51 +21,41 @@ BEGUN = [
 ]
 
 
-@pytest.fixture(scope="module")
-def validator(tiny_llama_with_tokenizer: Path) -> RequestValidator:
-    return RequestValidator(
-        AppArgs.model_validate({"model": str(tiny_llama_with_tokenizer), "served_model_name": "m"})
-    )
+def reference(tiny_tokenizer: Any, messages: list[dict], **flags: bool) -> list[int]:
+    text = tiny_tokenizer.apply_chat_template(messages, tokenize=False, **flags)
+    return tiny_tokenizer.encode(text, add_special_tokens=False)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_with_tokenizer: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_llama_with_tokenizer)
-
-
-def reference(tokenizer: Any, messages: list[dict], **flags: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, **flags)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def prompt(validator: RequestValidator, messages: list[dict], **fields: Any) -> list[int]:
-    return validator.chat({"messages": messages, "max_tokens": 4, **fields}).prompts[0]
+def prompt(tiny_validator: RequestValidator, messages: list[dict], **fields: Any) -> list[int]:
+    return tiny_validator.chat({"messages": messages, "max_tokens": 4, **fields}).prompts[0]
 
 
 def test_a_continued_final_message_ends_the_prompt(
-    validator: RequestValidator, tokenizer: Any
+    tiny_validator: RequestValidator, tiny_tokenizer: Any
 ) -> None:
-    ids = prompt(validator, BEGUN, continue_final_message=True)
-    assert ids == reference(tokenizer, BEGUN, continue_final_message=True)
-    assert tokenizer.decode(ids).endswith("The capital of France is")
+    ids = prompt(tiny_validator, BEGUN, continue_final_message=True)
+    assert ids == reference(tiny_tokenizer, BEGUN, continue_final_message=True)
+    assert tiny_tokenizer.decode(ids).endswith("The capital of France is")
     # Also with the generation prompt turned off explicitly, as vLLM's clients send it.
-    assert ids == prompt(validator, BEGUN, continue_final_message=True, add_generation_prompt=False)
-
-
-def test_by_default_the_prompt_opens_an_assistant_turn(
-    validator: RequestValidator, tokenizer: Any
-) -> None:
-    ids = prompt(validator, BEGUN)
-    assert ids == reference(tokenizer, BEGUN, add_generation_prompt=True)
-    assert ids != prompt(validator, BEGUN, continue_final_message=True)
-    assert prompt(validator, BEGUN, add_generation_prompt=False) == reference(
-        tokenizer, BEGUN, add_generation_prompt=False
+    assert ids == prompt(
+        tiny_validator, BEGUN, continue_final_message=True, add_generation_prompt=False
     )
 
 
-def test_continuing_and_opening_a_turn_at_once_is_refused(validator: RequestValidator) -> None:
+def test_by_default_the_prompt_opens_an_assistant_turn(
+    tiny_validator: RequestValidator, tiny_tokenizer: Any
+) -> None:
+    ids = prompt(tiny_validator, BEGUN)
+    assert ids == reference(tiny_tokenizer, BEGUN, add_generation_prompt=True)
+    assert ids != prompt(tiny_validator, BEGUN, continue_final_message=True)
+    assert prompt(tiny_validator, BEGUN, add_generation_prompt=False) == reference(
+        tiny_tokenizer, BEGUN, add_generation_prompt=False
+    )
+
+
+def test_continuing_and_opening_a_turn_at_once_is_refused(tiny_validator: RequestValidator) -> None:
     with pytest.raises(HTTPError) as e:
-        prompt(validator, BEGUN, continue_final_message=True, add_generation_prompt=True)
+        prompt(tiny_validator, BEGUN, continue_final_message=True, add_generation_prompt=True)
     assert e.value.status == 400
     assert e.value.param == "continue_final_message"
 
@@ -79,6 +69,7 @@ THINKING_TEMPLATE = (
 
 
 def test_template_kwargs_become_template_variables(tiny_llama_with_tokenizer: Path) -> None:
+    # A validator and a reference tokenizer of their own: the template is swapped in both.
     validator = RequestValidator(
         AppArgs.model_validate({"model": str(tiny_llama_with_tokenizer), "served_model_name": "m"})
     )
@@ -97,9 +88,9 @@ def test_template_kwargs_become_template_variables(tiny_llama_with_tokenizer: Pa
     "kwargs", [{"tokenize": True}, {"add_generation_prompt": False, "x": 1}, [1, 2], "on"]
 )
 def test_template_kwargs_may_not_set_the_request_s_own_arguments(
-    validator: RequestValidator, kwargs: Any
+    tiny_validator: RequestValidator, kwargs: Any
 ) -> None:
     with pytest.raises(HTTPError) as e:
-        prompt(validator, BEGUN, chat_template_kwargs=kwargs)
+        prompt(tiny_validator, BEGUN, chat_template_kwargs=kwargs)
     assert e.value.status == 400
     assert e.value.param == "chat_template_kwargs"

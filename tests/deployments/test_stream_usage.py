@@ -3,22 +3,13 @@ vLLM's ``continuous_usage_stats`` too every content chunk with the counts so far
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from deployments.config import AppArgs
 from deployments.engine_request import StreamItem
 from deployments.http_errors import HTTPError
 from deployments.validation import RequestValidator
-
-
-@pytest.fixture(scope="module")
-def validator(tiny_llama_with_tokenizer: Path) -> RequestValidator:
-    return RequestValidator(
-        AppArgs.model_validate({"model": str(tiny_llama_with_tokenizer), "served_model_name": "m"})
-    )
 
 
 def item(completion_tokens: int, finished: bool) -> StreamItem:
@@ -28,14 +19,14 @@ def item(completion_tokens: int, finished: bool) -> StreamItem:
     )  # fmt: skip
 
 
-def chunks(validator: RequestValidator, **options: Any) -> list[dict[str, Any]]:
+def chunks(tiny_validator: RequestValidator, **options: Any) -> list[dict[str, Any]]:
     body = {"prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": options}
-    builder = validator.completion(body).builder
+    builder = tiny_validator.completion(body).builder
     return [builder.chunk(item(1, False)), builder.chunk(item(2, True)), builder.usage_chunk()]
 
 
-def test_continuous_usage_counts_each_chunk(validator: RequestValidator) -> None:
-    first, second, last = chunks(validator, include_usage=True, continuous_usage_stats=True)
+def test_continuous_usage_counts_each_chunk(tiny_validator: RequestValidator) -> None:
+    first, second, last = chunks(tiny_validator, include_usage=True, continuous_usage_stats=True)
     assert first["usage"]["completion_tokens"] == 1
     assert second["usage"] == last["usage"]
     assert last["usage"] == {
@@ -48,15 +39,15 @@ def test_continuous_usage_counts_each_chunk(validator: RequestValidator) -> None
 
 @pytest.mark.parametrize("options", [{"include_usage": True}, {"continuous_usage_stats": True}, {}])
 def test_otherwise_only_the_final_chunk_has_usage(
-    validator: RequestValidator, options: dict[str, bool]
+    tiny_validator: RequestValidator, options: dict[str, bool]
 ) -> None:
-    first, second, _ = chunks(validator, **options)
+    first, second, _ = chunks(tiny_validator, **options)
     assert "usage" not in first and "usage" not in second
 
 
-def test_stream_options_need_a_stream(validator: RequestValidator) -> None:
+def test_stream_options_need_a_stream(tiny_validator: RequestValidator) -> None:
     with pytest.raises(HTTPError) as e:
-        validator.completion(
+        tiny_validator.completion(
             {
                 "prompt": "hi",
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True},

@@ -4,44 +4,31 @@ the text."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import pytest
-from transformers import AutoTokenizer
-
-from deployments.config import AppArgs
 from deployments.validation import RequestValidator
 
 # (token id, logprob, [(alternative id, logprob)])
 RAW = [(6004, -0.5, [(6004, -0.5), (28, -1.5)]), (28, -0.25, [(28, -0.25)])]
 
 
-@pytest.fixture(scope="module")
-def validator(tiny_llama_with_tokenizer: Path) -> RequestValidator:
-    return RequestValidator(
-        AppArgs.model_validate({"model": str(tiny_llama_with_tokenizer), "served_model_name": "m"})
-    )
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_with_tokenizer: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_llama_with_tokenizer)
-
-
-def test_completion_logprobs_name_tokens_by_id(validator: RequestValidator, tokenizer: Any) -> None:
+def test_completion_logprobs_name_tokens_by_id(
+    tiny_validator: RequestValidator, tiny_tokenizer: Any
+) -> None:
     body = {"prompt": "hi", "max_tokens": 2, "logprobs": 2}
-    named = validator.completion({**body, "return_tokens_as_token_ids": True}).builder.logprobs(RAW)
-    plain = validator.completion(body).builder.logprobs(RAW)
+    named = tiny_validator.completion(
+        {**body, "return_tokens_as_token_ids": True}
+    ).builder.logprobs(RAW)
+    plain = tiny_validator.completion(body).builder.logprobs(RAW)
     assert named["tokens"] == ["token_id:6004", "token_id:28"]
     assert named["top_logprobs"][0] == {"token_id:6004": -0.5, "token_id:28": -1.5}
-    assert plain["tokens"] == [tokenizer.decode([6004]), tokenizer.decode([28])]
-    assert named["text_offset"] == plain["text_offset"] == [0, len(tokenizer.decode([6004]))]
+    assert plain["tokens"] == [tiny_tokenizer.decode([6004]), tiny_tokenizer.decode([28])]
+    assert named["text_offset"] == plain["text_offset"] == [0, len(tiny_tokenizer.decode([6004]))]
 
 
-def test_chat_logprobs_name_tokens_by_id(validator: RequestValidator) -> None:
+def test_chat_logprobs_name_tokens_by_id(tiny_validator: RequestValidator) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
-    job = validator.chat({**body, "return_tokens_as_token_ids": True})
+    job = tiny_validator.chat({**body, "return_tokens_as_token_ids": True})
     content = job.builder.logprobs(RAW)["content"]
     assert [c["token"] for c in content] == ["token_id:6004", "token_id:28"]
     assert content[0]["bytes"] == list(b"token_id:6004")
