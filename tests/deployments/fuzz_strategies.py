@@ -49,7 +49,11 @@ sampling_fields = {
     "stop_token_ids": field(token_ids),
     "ignore_eos": field(st.booleans()),
     "stream": field(st.booleans()),
-    "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "stream_options": field(
+        st.fixed_dictionaries(
+            {"include_usage": st.booleans()}, optional={"continuous_usage_stats": st.booleans()}
+        )
+    ),
     "n": field(st.integers(min_value=0, max_value=3)),
     "priority": field(st.integers(min_value=-(2**40), max_value=2**40)),
     "presence_penalty": field(st.floats(min_value=-3, max_value=3)),
@@ -64,6 +68,11 @@ sampling_fields = {
         )
     ),
     "user": field(st.text(max_size=8)),
+    "allowed_token_ids": field(token_ids),
+    "bad_words": field(st.lists(st.text(max_size=6), max_size=3)),
+    "truncate_prompt_tokens": field(st.integers(min_value=-3, max_value=70000)),
+    "truncation_side": field(st.sampled_from(["left", "right", "middle"])),
+    "return_tokens_as_token_ids": field(st.booleans()),
     "unknown_field": json_values,
     # Output constraints: odd regexes, choices and schemas must be a 400 or a bounded output.
     "guided_regex": field(st.one_of(st.text(max_size=8), st.sampled_from(["", "a*", "[^\\s\\S]"]))),
@@ -134,6 +143,9 @@ chat_body = st.fixed_dictionaries(
         "tool_choice": field(st.sampled_from(["none", "auto", "required", "f"])),
         "add_generation_prompt": field(st.booleans()),
         "continue_final_message": field(st.booleans()),
+        "chat_template_kwargs": field(
+            st.dictionaries(st.sampled_from(["enable_thinking", "tokenize", "x"]), json_values)
+        ),
     },
 )
 GEN_PATHS = ["/v1/completions", "/v1/chat/completions"]
@@ -156,6 +168,9 @@ valid_sampling = {
     "repetition_penalty": st.floats(min_value=0.5, max_value=2),
     "min_p": st.floats(min_value=0, max_value=1),
     "logit_bias": st.dictionaries(st.integers(0, 500).map(str), st.floats(-100, 100), max_size=3),
+    "allowed_token_ids": st.lists(st.integers(min_value=3, max_value=500), min_size=1, max_size=5),
+    "bad_words": st.lists(st.text(min_size=1, max_size=5).filter(str.strip), max_size=2),
+    "truncate_prompt_tokens": st.integers(min_value=1, max_value=30),
 }
 valid_completion = st.fixed_dictionaries(
     {
