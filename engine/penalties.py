@@ -38,12 +38,16 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     for i in rows:
         allowed = requests[i].sampling_params.allowed_token_array()
         if allowed.size:
-            banned = torch.ones(vocab, dtype=torch.bool)
-            banned[torch.from_numpy(allowed[allowed < vocab])] = False
-            out[i].masked_fill_(banned.to(out.device), float("-inf"))
+            # The allowed entries kept, every other one -inf (ids were checked against the
+            # vocabulary when the request was added).
+            index = torch.from_numpy(allowed).to(out.device)
+            kept = out[i, index]
+            out[i].fill_(float("-inf"))
+            out[i, index] = kept
         if requests[i].bad_word_tokens:
             words = banned_tokens(requests[i].bad_word_tokens, requests[i].output_token_ids)
             if words:
+                # A tokenizer may know ids past the model's vocabulary: never sampled anyway.
                 out[i, [t for t in words if t < vocab]] = float("-inf")
 
     biased = [i for i in rows if requests[i].sampling_params.logit_bias]

@@ -203,8 +203,8 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a penalty, a bias or an allowed set changes the logits (and so can change a
-        greedy pick)."""
+        """Whether a penalty, a bias, an allowed set or bad words change the logits (and so can
+        change a greedy pick)."""
         return bool(
             self.logit_bias
             or self.allowed_token_ids

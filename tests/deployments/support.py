@@ -127,3 +127,15 @@ def serve_rss(app_name: str = "prefixserve") -> int:
 
 def engine_replica_ids(m: Samples) -> set[str]:
     return set(per_label(m, "prefixserve_kv_cache_blocks", "replica"))
+
+
+def refused_field(call: Callable[[], Any]) -> str | None:
+    """The request field that the 400 raised by ``call()`` names (request validation)."""
+    from deployments.http_errors import HTTPError
+
+    try:
+        call()
+    except HTTPError as e:
+        assert e.status == 400, e
+        return e.param
+    raise AssertionError("the request was accepted")
