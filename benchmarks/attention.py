@@ -9,8 +9,9 @@ Prints milliseconds per layer for:
   for all of them (the backend's batch of whole prompts);
 - prefill chunks after cached context (a shared prefix hit, then the prompt's own tokens), native
   kernel vs the backend's SDPA path (a gather of the context, a bottom-right causal mask);
-- 64 decodes with a 512-token prefix shared by all, native kernel alone vs the split (one SDPA
-  call over the prefix + the kernel over each sequence's own keys + the merge);
+- decodes behind a prefix shared by all (64 x 512, 64 x 2,048 and 16 x 2,048 tokens), native
+  kernel alone vs the split (one SDPA call over the prefix + the kernel over each sequence's own
+  keys + the merge);
 - 64 decodes over distinct blocks (memory-bound: the K/V read rate is printed too).
 """
 
@@ -144,7 +145,12 @@ def cached_prefill(dtype: torch.dtype, repeat: int) -> None:
 
 
 def decode(dtype: torch.dtype, repeat: int) -> None:
-    seqs, prefix, own = 64, 512, 64
+    for seqs, prefix in ((64, 512), (64, 2048), (16, 2048)):
+        shared_decode(seqs, prefix, 64, dtype, repeat)
+    distinct_decode(64, 512, 64, dtype, repeat)
+
+
+def shared_decode(seqs: int, prefix: int, own: int, dtype: torch.dtype, repeat: int) -> None:
     scale = HEAD_DIM**-0.5
     per_seq = (prefix + own) // BLOCK
     k_cache, v_cache = _cache(prefix // BLOCK + seqs * own // BLOCK + 8, dtype)
@@ -188,10 +194,19 @@ def decode(dtype: torch.dtype, repeat: int) -> None:
         repeat,
     )
     print(
-        f"64 decodes, {prefix} shared + {own} own tokens (ms per layer): native "
+        f"{seqs} decodes, {prefix} shared + {own} own tokens (ms per layer): native "
         f"{kernel:.2f}  split {timed(split, repeat):.2f}"
     )
 
+
+def distinct_decode(seqs: int, prefix: int, own: int, dtype: torch.dtype, repeat: int) -> None:
+    scale = HEAD_DIM**-0.5
+    per_seq = (prefix + own) // BLOCK
+    lens = torch.full((seqs,), prefix + own, dtype=torch.int64)
+    starts = torch.arange(seqs, dtype=torch.int64)
+    ones = torch.ones(seqs, dtype=torch.int64)
+    q = torch.randn(seqs, HEADS, HEAD_DIM).to(dtype)
+    out = torch.empty_like(q)
     distinct = torch.randperm(seqs * per_seq * 4)[: seqs * per_seq].view(seqs, per_seq)
     k_cache, v_cache = _cache(seqs * per_seq * 4, dtype)
     ms = timed(
@@ -202,7 +217,7 @@ def decode(dtype: torch.dtype, repeat: int) -> None:
     )
     read = 2 * seqs * (prefix + own) * KV_HEADS * HEAD_DIM * q.element_size()
     print(
-        f"64 decodes, {prefix + own} distinct tokens each: native {ms:.2f} ms per layer, "
+        f"{seqs} decodes, {prefix + own} distinct tokens each: native {ms:.2f} ms per layer, "
         f"K/V read at {read / ms / 1e6:.1f} GB/s"
     )
 

@@ -45,6 +45,11 @@ NATIVE_MAX_PAIRS = 4096
 # the prefix for every sequence: worth it from about 64 sequences x 256 prefix tokens (or fewer
 # sequences with a longer prefix; docs/performance.md, item 8).
 CASCADE_MIN_PAIRS = 16384
+# Where bf16 decodes take the one-pass AVX512-BF16 kernel (``native.bf16_decode_one_pass``), its
+# pass over a prefix in cache is cheap enough that the split wins only from about 64 sequences x
+# 1,024 prefix tokens, and a step that splits also leaves the one-call native stack
+# (docs/performance.md, item 29): the threshold is this many times CASCADE_MIN_PAIRS.
+ONE_PASS_CASCADE_FACTOR = 4
 # Whole-prompt chunks batched into one SDPA call: the longest at most this many times the
 # shortest, so that padding costs less than the per-call overhead it saves (one call for 20
 # prompts of 100 tokens takes two thirds of 20 calls' time; docs/performance.md).
@@ -153,6 +158,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.batch_whole_prompts = True
         if dtype == torch.bfloat16 and native.bf16_prefill_preferred():
             self.native_max_pairs = None
+        # CASCADE_MIN_PAIRS is read at each step (tests lower it): this scales it.
+        self.cascade_factor = 1
+        if dtype == torch.bfloat16 and native.bf16_decode_one_pass():
+            self.cascade_factor = ONE_PASS_CASCADE_FACTOR
 
     def _on_native(self, pairs: int) -> bool:
         return self.native_max_pairs is None or pairs <= self.native_max_pairs
@@ -220,21 +229,21 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if not native.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping):
             TorchAttentionBackend.write_kv(k, v, k_cache, v_cache, meta)
 
-    @staticmethod
-    def _shared_prefix_tokens(meta: AttentionMetadata, qlens: list[int]) -> int:
+    def _shared_prefix_tokens(self, meta: AttentionMetadata, qlens: list[int]) -> int:
         """Tokens of the longest run of leading blocks that every sequence of the step shares and
         that precedes all of its queries, if the split pays for itself; else 0."""
         if meta.num_seqs < 2:
             return 0
         bs = meta.block_size
+        min_pairs = CASCADE_MIN_PAIRS * self.cascade_factor
         limit = min(n - q for n, q in zip(meta.seq_lens_list, qlens, strict=True)) // bs
-        if limit * bs * meta.num_tokens < CASCADE_MIN_PAIRS:
+        if limit * bs * meta.num_tokens < min_pairs:
             return 0
         tables = meta.block_tables[:, :limit]
         same = (tables == tables[:1]).all(dim=0)
         blocks = limit if bool(same.all()) else int(same.to(torch.int8).argmin())
         tokens = blocks * bs
-        return tokens if tokens * meta.num_tokens >= CASCADE_MIN_PAIRS else 0
+        return tokens if tokens * meta.num_tokens >= min_pairs else 0
 
     def forward(
         self,

@@ -43,11 +43,13 @@ SOURCES = (
     CSRC / "llama_forward.c",
     CSRC / "f32_linear.c",
     CSRC / "attention_tile_bf16.c",
+    CSRC / "attention_decode_bf16.c",
     CSRC / "attention_amx.c",
 )
 HEADERS = (
     CSRC / "amx.h",
     CSRC / "attention_amx.h",
+    CSRC / "attention_decode_bf16.h",
     CSRC / "attention_tile_bf16.h",
     CSRC / "bf16.h",
     CSRC / "bf16x16.h",
@@ -163,6 +165,8 @@ def load() -> ctypes.CDLL | None:
     lib.bf16_linear_available.argtypes = []
     lib.bf16_tile_available.restype = i32
     lib.bf16_tile_available.argtypes = []
+    lib.bf16_decode_available.restype = i32
+    lib.bf16_decode_available.argtypes = []
     lib.decode_pack_weight.restype = None
     lib.decode_pack_weight.argtypes = [ptr, i64, i64, i32, ptr]
     for name in ("amx_linear", "bf16_linear"):
@@ -264,6 +268,22 @@ def bf16_prefill_preferred() -> bool:
     lib = load()
     return lib is not None and (
         amx_available() or ("avx512_bf16" in cpu_flags() and bool(lib.bf16_tile_available()))
+    )
+
+
+@functools.cache
+def bf16_decode_one_pass() -> bool:
+    """Whether a bf16 decode step's attention takes the AVX512-BF16 kernel that reads each
+    sequence's cache rows once for all KV heads (``csrc/attention_decode_bf16.c``): the CPU has
+    AVX512-BF16 and no AMX (where AMX runs, its own one-pass kernel takes decodes), and the
+    library was built with it. Shapes it does not take (head_dim not a multiple of 64, blocks
+    not of 16) keep the per-head loop."""
+    lib = load()
+    return (
+        lib is not None
+        and not amx_available()
+        and "avx512_bf16" in cpu_flags()
+        and bool(lib.bf16_decode_available())
     )
 
 

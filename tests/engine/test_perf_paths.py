@@ -125,16 +125,17 @@ def test_native_attention_matches_reference(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,block_size",
-    [(9, 3, 64, 16), (8, 2, 64, 32), (8, 1, 64, 16), (4, 2, 128, 16)],
-    ids=["smollm2", "group4-block32", "group8", "dim128"],
+    [(9, 3, 64, 16), (8, 2, 64, 32), (8, 1, 64, 16), (14, 2, 64, 16), (4, 2, 128, 16)],
+    ids=["smollm2", "group4-block32", "group8", "group7", "dim128"],
 )
 @pytest.mark.parametrize("kv_start_blocks", [0, 1])
 def test_native_attention_of_a_decode_batch_matches_reference(
     dtype, heads, kv_heads, head_dim, block_size, kv_start_blocks
 ):
     """A batch of decodes large enough that each sequence is one work item over all its KV
-    heads (a decode step's path; with bf16 on AMX, every head's scores from whole cache rows in
-    one pass over the keys): contexts shorter than a chunk of 16 keys, exactly one, one past,
+    heads (a decode step's path; with bf16 on AMX or on AVX512-BF16, every head's scores from
+    whole cache rows in one pass over the keys, and on AVX512-BF16 the values too, with the
+    groups of more than four query heads in parts): contexts shorter than a chunk of 16 keys, exactly one, one past,
     across blocks, and long ones whose highest scores come late; a sequence whose keys all lie
     before kv_start gets zeros and a log-sum-exp of -inf."""
     bs = block_size

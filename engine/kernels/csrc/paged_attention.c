@@ -26,7 +26,8 @@
  * head, scored and summed by tile multiplies (attention_amx.c). Decodes (one token): scores of
  * all keys first (AMX tile multiplies for bf16 where the CPU and kernel allow, else a vector
  * loop), one softmax, then the weighted sum of values; for a single query token that measured
- * faster than the online pass.
+ * faster than the online pass. In bf16 a decode step's sequences read their cache rows once for
+ * all KV heads: on AMX here, on AVX512-BF16 without AMX in attention_decode_bf16.c.
  */
 #include <math.h>
 #include <stdint.h>
@@ -35,6 +36,7 @@
 
 #include "amx.h"
 #include "attention_amx.h"
+#include "attention_decode_bf16.h"
 #include "attention_tile_bf16.h"
 #include "bf16.h"
 #include "vec16.h"
@@ -54,6 +56,7 @@ typedef struct {
     float scale;
     int amx_scores; /* bf16 decode scores on AMX: usable here, head_dim % 32, block_size % 16 */
     int amx_prefill; /* bf16 prefill tiles on AMX (attention_amx.c): amx_scores and head_dim fit */
+    int bf16_decode; /* bf16 decodes of all KV heads in one pass, without AMX (attention_decode_bf16.c) */
 } attn_args;
 
 static inline float load_elem(const void *base, int64_t i, int dtype) {
@@ -676,6 +679,7 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache,
 #endif
     };
     a.amx_prefill = a.amx_scores && head_dim <= BF16_TILE_MAX_DIM;
+    a.bf16_decode = dtype == 1 && !a.amx_scores && bf16_decode_supported(head_dim, block_size);
     const int tile = MAX_ROWS / group; /* query tokens per item */
 
     /* Items: every sequence's query tiles, split by KV head when there are too few to keep the
@@ -724,6 +728,16 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache,
                 continue;
             }
 #endif
+            const int64_t ctx = seq_lens[s] - kv_start;
+            if (splits == 1 && a.bf16_decode && ctx > 0) {
+                const bf16_tile_args b = {(const uint16_t *)q, (const uint16_t *)k_cache,
+                                          (const uint16_t *)v_cache,
+                                          block_tables + (int64_t)s * bt_stride + kv_start / block_size,
+                                          (uint16_t *)out, lse, num_heads, group, head_dim, block_size,
+                                          q_stride, out_stride, a.row, scale};
+                if (bf16_attend_decode(&b, query_start[s], ctx) != 0) failed = 1;
+                continue;
+            }
             for (int h = h0; h < h1; h++)
                 if (attend_decode(&a, s, h) != 0) failed = 1;
             continue;

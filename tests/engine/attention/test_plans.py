@@ -174,3 +174,28 @@ def test_batched_whole_prompts_attend_like_dense_attention(dtype, seqs):
         qi, ki, vi = (t.to(dtype).float() for t in (q_parts[i], full_k[i], full_v[i]))
         got = out[qsl[i] : qsl[i + 1]].float()
         torch.testing.assert_close(got, dense_attention(qi, ki, vi), **tol)
+
+
+def _shared_decodes(seqs: int, prefix_blocks: int, block_size: int = 16) -> AttentionMetadata:
+    """``seqs`` decodes whose block tables all start with the same ``prefix_blocks`` blocks,
+    then one block of their own."""
+    meta = _layout(block_size, [(prefix_blocks + 1) * block_size] * seqs, [1] * seqs)
+    meta.block_tables[:, :prefix_blocks] = torch.arange(prefix_blocks)
+    return meta
+
+
+@needs_kernel
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_shared_prefix_split_threshold_where_bf16_decodes_take_one_pass(one_pass, monkeypatch):
+    """Where bf16 decodes take the one-pass AVX512-BF16 kernel, a step of 64 decodes behind a
+    512-token prefix stays one native call (cheaper than the split there); behind 2,048 tokens
+    it still splits. Elsewhere both split, and float32 splits on either CPU."""
+    monkeypatch.setattr(native, "bf16_decode_one_pass", lambda: one_pass)
+    bf16, f32 = CpuAttentionBackend(torch.bfloat16), CpuAttentionBackend(torch.float32)
+    for prefix_tokens, split_in_bf16 in ((512, not one_pass), (2048, True)):
+        for backend, splits in ((bf16, split_in_bf16), (f32, True)):
+            meta = _shared_decodes(64, prefix_tokens // 16)
+            backend.prepare(meta)
+            expected = prefix_tokens if splits else 0
+            assert meta.plan_as(CpuAttentionPlan).shared_prefix_tokens == expected
+            assert (backend.native_step(meta) is not None) == (not splits)
