@@ -63,6 +63,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from engine.block_hash import BlockHash
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
@@ -370,7 +371,10 @@ class AsyncEngine:
     def _gather_burst(self) -> None:
         """Called when an idle engine has just taken work: keep taking commands while each
         arrives within ``batch_wait_s`` of the previous one, for at most ``batch_wait_max_s``,
-        and only while the waiting prompts would not fill a step anyway.
+        and only while the waiting prompts would not fill a step anyway. A prompt counts only
+        the tokens a step would compute for it: not the blocks the prefix cache holds, nor
+        those another waiting prompt of the burst shares (a wave behind a few new prefixes
+        then starts in one step).
 
         Why: a forward pass cannot take requests that arrive while it runs. Without the wait, the
         first request of a burst (a client's wave of concurrent requests) runs alone and the rest
@@ -381,7 +385,17 @@ class AsyncEngine:
             return
         deadline = time.monotonic() + self.batch_wait_max_s
         budget = self.engine.config.max_num_batched_tokens
-        while self.engine.scheduler.num_pending_prefill_tokens < budget:
+        counted: set[BlockHash] = set()
+        seen: set[str] = set()
+        work = 0
+        while True:
+            # Requests only arrive during the gather (an abort may remove one: its count stays).
+            for request in list(self.engine.scheduler.requests.values()):
+                if request.request_id not in seen:
+                    seen.add(request.request_id)
+                    work += self.engine.kv.new_prefill_tokens(request, counted)
+            if work >= budget:
+                return
             left = deadline - time.monotonic()
             if left <= 0:
                 return

@@ -12,6 +12,7 @@ and are registered after that step, like the ones the request computes itself.
 
 from __future__ import annotations
 
+from engine.block_hash import BlockHash
 from engine.block_pool import BlockPool, KVCacheBlock
 from engine.request import Request
 
@@ -55,6 +56,29 @@ class KVCacheManager:
                 break
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
+
+    def new_prefill_tokens(self, request: Request, counted: set[BlockHash]) -> int:
+        """Prompt tokens that admitting the waiting ``request`` adds to the work ahead: its
+        tokens less the leading full blocks that are cached or that an earlier request's count
+        already holds (``counted``, to which this request's other full blocks are added: a step
+        that admits both computes them once, ``engine.step_sharing``). An estimate for sizing a
+        step; hashes are chained, so a counted block implies its whole prefix."""
+        # A preempted request's newest token is its next decode's input, not prefill.
+        todo = max(
+            0, request.num_tokens - request.num_computed_tokens - (request.num_output_tokens > 0)
+        )
+        if not self.enable_caching or request.skips_prefix_cache or request.num_computed_tokens:
+            return todo
+        reusing = True
+        for block_hash in request.block_hashes[: (request.num_tokens - 1) // self.block_size]:
+            if reusing and (
+                block_hash in counted or self.pool.get_cached_block(block_hash) is not None
+            ):
+                todo -= self.block_size
+                continue
+            reusing = False
+            counted.add(block_hash)
+        return todo
 
     def allocate_slots(
         self,

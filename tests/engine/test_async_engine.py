@@ -502,6 +502,53 @@ def test_without_a_wait_the_first_request_of_a_burst_runs_alone(
     assert seen == [{"a"}]
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_burst_behind_one_prefix_counts_the_prefix_once(
+    monkeypatch: pytest.MonkeyPatch, tiny_llama: Path, cached: bool
+) -> None:
+    """The gather stops once the waiting prompts fill a step, counting what a step would
+    compute: three prompts of a 32-token prefix + 8 tokens fill a 64-token step only if the
+    prefix counts once (raw, two of them are 80 tokens), and once cached, not at all."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama),
+            dtype="float32",
+            device="cpu",
+            num_kv_blocks=64,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+        )
+    )
+    prefix = list(range(100, 132))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    ae = AsyncEngine(engine, idle_wait_s=0.01, batch_wait_s=1.0, batch_wait_max_s=5.0)
+    ae.start()
+
+    async def consume_prompt(request_id: str, own: int) -> int:
+        tokens = 0
+        async for batch in ae.generate(request_id, [*prefix, *range(own, own + 8)], params):
+            tokens += sum(len(d.new_token_ids) for d in batch)
+        return tokens
+
+    async def burst() -> list[int]:
+        first = asyncio.ensure_future(consume_prompt("a", 10))
+        await asyncio.sleep(0.2)  # each within the 1 s gap of the one before
+        second = asyncio.ensure_future(consume_prompt("b", 20))
+        await asyncio.sleep(0.2)
+        return await asyncio.gather(first, second, consume_prompt("c", 30))
+
+    try:
+        if cached:
+            asyncio.run(asyncio.wait_for(consume_prompt("warm", 40), DEADLINE_S))
+        seen = first_step_requests(monkeypatch, engine)
+        outs = asyncio.run(asyncio.wait_for(burst(), DEADLINE_S))
+    finally:
+        ae.shutdown(timeout=5.0)
+    assert seen == [{"a", "b", "c"}]
+    assert outs == [2, 2, 2]
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
 def test_a_lone_request_waits_one_gap_and_a_full_step_none(tiny_llama: Path) -> None:
     engine = LLMEngine(
         EngineConfig(

@@ -178,3 +178,28 @@ def test_shared_prefix_is_held_by_both_requests():
     # The shared blocks are still cached after both left.
     assert len(kv.get_computed_blocks(make_request("c", list(range(9))))[0]) == 2
     kv.pool.check_invariants()
+
+
+def test_new_prefill_tokens_count_a_cached_or_already_counted_prefix_once():
+    """What admitting a waiting request adds to the work ahead: its tokens less the leading
+    blocks the cache holds or an earlier request's count holds; nothing is reused after the
+    first block that neither holds."""
+    kv = KVCacheManager(32, BS)
+    prefill(kv, make_request("cached", list(range(8))))  # blocks [0..3], [4..7] cached
+    counted: set = set()
+    # 2 cached blocks, then 2 new ones and 2 tokens: 10 to compute.
+    first = make_request("a", [*range(8), *range(100, 110)])
+    assert kv.new_prefill_tokens(first, counted) == 10
+    assert len(counted) == 2
+    # The same 16 tokens as ``a``, then its own: everything but its last 3 tokens is held.
+    assert (
+        kv.new_prefill_tokens(make_request("b", [*range(8), *range(100, 108), 7, 8, 9]), counted)
+        == 3
+    )
+    # Its first block differs: nothing after it is reused, though a later block's tokens match.
+    other = make_request("c", [50, 51, 52, 53, *range(4, 8), *range(100, 104)])
+    assert kv.new_prefill_tokens(other, counted) == 12
+    # A whole prompt that is cached still computes its last token (for its logits).
+    assert kv.new_prefill_tokens(make_request("d", list(range(8))), set()) == 4
+    off = KVCacheManager(32, BS, enable_caching=False)
+    assert off.new_prefill_tokens(make_request("e", list(range(8))), set()) == 8
