@@ -3,16 +3,18 @@
  *
  * A slot's KV heads are adjacent in the cache, so a block of 16 tokens is one contiguous run of
  * 16 rows. Walking the heads one at a time (paged_attention.c's attend_decode) reads a third of
- * each row per pass with the hardware prefetchers idle, and a decode step is bound by how fast
- * its K/V arrive. Here two passes go through the keys in order, 16 tokens at a time, with the
- * rows 32 tokens on requested into L1:
+ * each row per pass and widens every key to float32 first. Here two passes go through the keys
+ * in order, 16 tokens at a time, with the rows 32 tokens on requested into L1:
  *   scores  every query head's scores of the 16 keys: one vdpbf16ps per 32 head dims (exact
  *           bf16 products, float32 sums), the 16 keys' partial sums reduced by one transposing
  *           sum (lane j = key j), times the scale;
  *   softmax per query head over all its scores (float32);
  *   values  every query head's weighted sum of the 16 values, float32 accumulators of G rows x
  *           64 dims held in registers per (KV head, 64 dims) and kept in a buffer between blocks.
- * The output is rounded once to bf16.
+ * The output is rounded once to bf16. With the K/V in cache (a shared prefix) this does the same
+ * work in three quarters of the time; with every block read from memory, in the order a decode
+ * step allocates them, both are bound by how fast the memory system returns the blocks
+ * (docs/performance.md, item 29).
  */
 #include "attention_decode_bf16.h"
 
@@ -47,9 +49,8 @@ static inline const char *rows_at(const uint16_t *cache, const int64_t *table, i
     return (const char *)(cache + (table[t0 / bs] * bs + t0 % bs) * row);
 }
 
-/* Requests part i of `parts` of the lines of [p, p + bytes) into L1: a block's prefetches spread
- * over the work on the block before, so that the misses in flight stay within what the core
- * tracks instead of stalling it in one burst. */
+/* Requests part i of `parts` of the lines of [p, p + bytes) into L1: a block's prefetches are
+ * spread over the work on the block before (one burst per block measured the same). */
 static inline void prefetch_part(const char *p, size_t bytes, int i, int parts) {
     if (p == NULL) return;
     const size_t lines = (bytes + 63) / 64;
