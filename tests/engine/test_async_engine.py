@@ -502,6 +502,20 @@ def test_without_a_wait_the_first_request_of_a_burst_runs_alone(
     assert seen == [{"a"}]
 
 
+def small_step_engine(tiny_llama: Path, max_num_batched_tokens: int) -> LLMEngine:
+    """An engine whose steps compute at most ``max_num_batched_tokens`` prompt tokens."""
+    return LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama),
+            dtype="float32",
+            device="cpu",
+            num_kv_blocks=64,
+            max_num_seqs=8,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+    )
+
+
 @pytest.mark.parametrize("cached", [False, True])
 def test_a_burst_behind_one_prefix_counts_the_prefix_once(
     monkeypatch: pytest.MonkeyPatch, tiny_llama: Path, cached: bool
@@ -509,16 +523,7 @@ def test_a_burst_behind_one_prefix_counts_the_prefix_once(
     """The gather stops once the waiting prompts fill a step, counting what a step would
     compute: three prompts of a 32-token prefix + 8 tokens fill a 64-token step only if the
     prefix counts once (raw, two of them are 80 tokens), and once cached, not at all."""
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(tiny_llama),
-            dtype="float32",
-            device="cpu",
-            num_kv_blocks=64,
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
-        )
-    )
+    engine = small_step_engine(tiny_llama, 64)
     prefix = list(range(100, 132))
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     ae = AsyncEngine(engine, idle_wait_s=0.01, batch_wait_s=1.0, batch_wait_max_s=5.0)
@@ -550,16 +555,7 @@ def test_a_burst_behind_one_prefix_counts_the_prefix_once(
 
 
 def test_a_lone_request_waits_one_gap_and_a_full_step_none(tiny_llama: Path) -> None:
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(tiny_llama),
-            dtype="float32",
-            device="cpu",
-            num_kv_blocks=64,
-            max_num_seqs=8,
-            max_num_batched_tokens=16,
-        )
-    )
+    engine = small_step_engine(tiny_llama, 16)
     ae = AsyncEngine(engine, idle_wait_s=0.01, batch_wait_s=2.0, batch_wait_max_s=30.0)
     ae.start()
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
