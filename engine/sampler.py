@@ -1,15 +1,17 @@
 """Turning a step's logits into tokens: greedy, temperature, top-k, top-p, min-p, per-request
 seeds, after the penalties of ``engine.penalties``.
 
-Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), which draws exactly
-from ``p`` and lets a seeded request draw its noise from its own generator, so its tokens do not
-depend on what else shares the batch. Logprobs are those of the model's raw distribution (before
-penalties, temperature and filters), as OpenAI and vLLM report them.
+Each row draws exactly from its ``p``, with its request's own generator when the request has a
+seed, so that a seeded request's tokens do not depend on what else shares the batch. On CPU a
+row takes one uniform and inverts its cumulative distribution (``cdf_draw``); on other devices
+the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), whose noise a device draws for
+the whole batch at once. Logprobs are those of the model's raw distribution (before penalties,
+temperature and filters), as OpenAI and vLLM report them.
 
 Everything runs on the logits' device; the only copies to the host are the sampled ids and the
-logprob values asked for. Seeded requests draw their noise from their own CPU generator (the
-same noise on every device), moved to the device row by row; on a non-CPU device the other rows
-draw theirs from one device generator seeded with the engine's seed.
+logprob values asked for. On a non-CPU device seeded requests draw their noise from their own
+CPU generator, moved to the device row by row, and the other rows draw theirs from one device
+generator seeded with the engine's seed.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ from engine.penalties import apply_penalties
 from engine.request import Request
 from engine.structured_output import apply_token_masks
 
-__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "device_noise", "token_logprobs"]
+__all__ = [
+    "Sampler",
+    "SamplerOutput",
+    "TokenLogprobs",
+    "cdf_draw",
+    "device_noise",
+    "token_logprobs",
+]
 
 
 @dataclass
@@ -165,19 +174,22 @@ class Sampler:
             # The most likely token always stays (its probability is the maximum).
             floor = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
             probs = probs.masked_fill(probs < floor, 0.0)
-        tokens = (probs / self._noise(probs, requests)).argmax(dim=-1)
+        tokens = self._draw(probs, requests)
         greedy_mask = torch.tensor(greedy, device=dev)
         return torch.where(greedy_mask, greedy_tokens, tokens)
 
-    def _noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Exp(1) noise shaped like ``probs``, one row per request."""
+    def _draw(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """One token per row of ``probs``, drawn with the row's request's own generator where it
+        has a seed, the sampler's otherwise. On CPU by inverse transform (one uniform per row,
+        ``cdf_draw``); elsewhere as the argmax of ``probs`` over Exp(1) noise, which a device
+        draws for the whole batch at once."""
         if probs.device.type == "cpu":
-            noise = torch.empty_like(probs)
+            u = torch.empty(len(requests), 1, dtype=torch.float64)
             for i, r in enumerate(requests):
-                gen = r.generator if r.generator is not None else self.generator
-                noise[i].exponential_(generator=gen)
-            return noise
-        return device_noise(probs, requests, self._device_generator(probs.device))
+                u[i].uniform_(generator=r.generator if r.generator is not None else self.generator)
+            return cdf_draw(probs, u)
+        noise = device_noise(probs, requests, self._device_generator(probs.device))
+        return (probs / noise).argmax(dim=-1)
 
     def _device_generator(self, device: torch.device) -> torch.Generator:
         gen = self.device_generators.get(device)
@@ -185,6 +197,22 @@ class Sampler:
             gen = torch.Generator(device=device).manual_seed(self.seed)
             self.device_generators[device] = gen
         return gen
+
+
+def cdf_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row i's token: the first whose cumulative probability exceeds ``u[i]`` (in [0, 1), shape
+    ``[rows, 1]``) times the row's total, summed in float64. A token of probability 0 is never
+    drawn. One uniform per row: noise for every vocabulary entry (an Exp(1) race) made sampling
+    a third of a CPU decode step (docs/performance.md, item 30)."""
+    cdf = probs.double().cumsum(dim=-1)
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    idx = idx.clamp_(max=probs.shape[1] - 1)
+    # Only where u * total rounded up to the total: take the row's last token with mass.
+    empty = probs.gather(1, idx) <= 0
+    if bool(empty.any()):
+        last = probs.shape[1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1, keepdim=True)
+        idx = torch.where(empty, last, idx)
+    return idx.squeeze(1)
 
 
 def device_noise(

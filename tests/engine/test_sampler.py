@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.request import Request
-from engine.sampler import Sampler
+from engine.sampler import Sampler, cdf_draw
 from engine.sampling_params import SamplingParams
 
 VOCAB = 32
@@ -191,3 +191,26 @@ def test_min_p_drops_tokens_below_its_share_of_the_best():
     assert chi_square(counts[:2], [0.5 / 0.8, 0.3 / 0.8]) < CHI2_CRIT[1]
     # min_p=1 keeps only the most likely token.
     assert set(Sampler(seed=1)(logits[:50], [req(min_p=1.0)] * 50).token_ids) == {0}
+
+
+def test_cdf_draw_inverts_each_rows_distribution_and_skips_tokens_without_mass():
+    """Row i takes the first token whose cumulative probability exceeds u[i] (times the row's
+    total: filtered rows need not sum to 1); a token of probability 0 is never drawn, not even
+    for a u that rounds the target up to the row's total."""
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0], [0.0, 0.0, 0.3, 0.0, 0.0, 0.0]])
+
+    def draw(u0: float, u1: float) -> list[int]:
+        return cdf_draw(probs, torch.tensor([[u0], [u1]], dtype=torch.float64)).tolist()
+
+    assert draw(0.0, 0.0) == [1, 2]
+    assert draw(0.24, 0.5) == [1, 2]
+    assert draw(0.25, 0.99) == [3, 2]  # exactly at a boundary: the next token
+    assert draw(0.76, 0.0) == [4, 2]
+    below_one = float(
+        torch.nextafter(
+            torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)
+        )
+    )
+    assert draw(below_one, below_one) == [4, 2]
+    # The rounding case itself: a target past the total takes the last token with mass.
+    assert draw(1.0, 1.0) == [4, 2]

@@ -35,10 +35,10 @@ def test_seeded_request_is_reproducible_regardless_of_batch(monkeypatch):
     # Each sampler's device generator at its own state.
     gens = {}
 
-    def noise(self, probs, requests):
-        return device_noise(probs, requests, gens[id(self)])
+    def draw(self, probs, requests):
+        return (probs / device_noise(probs, requests, gens[id(self)])).argmax(dim=-1)
 
-    monkeypatch.setattr(Sampler, "_noise", noise)
+    monkeypatch.setattr(Sampler, "_draw", draw)
     logits = random_logits(6, seed=5)
     alone_sampler, batch_sampler = Sampler(), Sampler()
     gens[id(alone_sampler)] = torch.Generator().manual_seed(0)
@@ -52,7 +52,9 @@ def test_seeded_request_is_reproducible_regardless_of_batch(monkeypatch):
 def test_device_noise_samples_the_tempered_softmax(monkeypatch, temperature):
     gen = torch.Generator().manual_seed(3)
     monkeypatch.setattr(
-        Sampler, "_noise", lambda self, probs, requests: device_noise(probs, requests, gen)
+        Sampler,
+        "_draw",
+        lambda self, probs, requests: (probs / device_noise(probs, requests, gen)).argmax(-1),
     )
     assert_samples_tempered_softmax(Sampler(), temperature)
 
