@@ -184,9 +184,7 @@ def run_ours(llm: Any, work: Workload, args: argparse.Namespace) -> dict[str, An
     return {
         "tok_s": round(work.num_output_tokens / full, 1),
         "seconds": round(full, 3),
-        "decode_ms_per_step": round(
-            (min(fulls) - min(halves)) / (work.max_tokens - half) * 1e3, 3
-        ),
+        "decode_ms_per_step": round((min(fulls) - min(halves)) / (work.max_tokens - half) * 1e3, 3),
         "engine_decode_step_ms": round(engine_step_s * 1e3, 3) if engine_step_s else None,
         "graph_replays": getattr(runner, "graph_replays", None),
     }
