@@ -63,10 +63,7 @@ class KVCacheManager:
         already holds (``counted``, to which this request's other full blocks are added: a step
         that admits both computes them once, ``engine.step_sharing``). An estimate for sizing a
         step; hashes are chained, so a counted block implies its whole prefix."""
-        # A preempted request's newest token is its next decode's input, not prefill.
-        todo = max(
-            0, request.num_tokens - request.num_computed_tokens - (request.num_output_tokens > 0)
-        )
+        todo = request.num_prefill_tokens_left
         if not self.enable_caching or request.skips_prefix_cache or request.num_computed_tokens:
             return todo
         reusing = True

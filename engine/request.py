@@ -163,6 +163,12 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def num_prefill_tokens_left(self) -> int:
+        """Tokens still to compute before the decode phase: the rest of the prompt, or a
+        preempted request's prompt and outputs (its newest token is the next decode's input)."""
+        return max(0, self.num_tokens - self.num_computed_tokens - (self.num_output_tokens > 0))
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 

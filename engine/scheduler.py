@@ -190,10 +190,7 @@ class Scheduler:
         phase: the rest of a prompt, or a preempted request's prompt and outputs (its newest
         token is the next decode's input, not prefill). Waiting requests count in full, although
         part of a prompt may hit the prefix cache when they are admitted."""
-        return sum(
-            max(0, r.num_tokens - r.num_computed_tokens - (r.num_output_tokens > 0))
-            for r in self.requests.values()
-        )
+        return sum(r.num_prefill_tokens_left for r in self.requests.values())
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

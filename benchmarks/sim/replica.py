@@ -99,6 +99,11 @@ class SimRequest:
         return self.num_prompt_tokens + self.num_output_tokens
 
     @property
+    def num_prefill_tokens_left(self) -> int:
+        """As ``engine.request.Request.num_prefill_tokens_left``."""
+        return max(0, self.num_tokens - self.num_computed_tokens - (self.num_output_tokens > 0))
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 
