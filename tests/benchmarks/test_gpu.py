@@ -4,6 +4,7 @@ transformers and the engine, the floor formula, the checkpoint builder, and a CP
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -91,7 +92,11 @@ def test_cpu_smoke_run_reports_every_row(tmp_path: Path):
     assert set(rows) == ours | {(w, "transformers") for w in ("w1", "long")}
     for key in ours:
         row = rows[key]
-        assert row["tok_s"] > 0 and row["decode_ms_per_step"] > 0
+        # The per-step figure is a difference of two whole runs: on a tiny CPU model a few ms
+        # of noise can outweigh it, so only its presence is checked; the engine's own measure
+        # of the same step must be positive.
+        assert row["tok_s"] > 0 and math.isfinite(row["decode_ms_per_step"])
+        assert row["engine_decode_step_ms"] > 0
         hf = rows[(key[0], "transformers")]
         assert row["x_transformers"] == pytest.approx(row["tok_s"] / hf["tok_s"], rel=0.01)
         assert row["floor_ms"] == row["floor_memory_ms"] > 0
