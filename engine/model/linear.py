@@ -85,6 +85,12 @@ _scratch = threading.local()
 # beat oneDNN by 1.7x at 1 row, 1.2x at 64, 1.1x at 128 and 1.06x at 192, tied at 256 (Zen 4,
 # docs/performance.md), and prefill keeps oneDNN.
 DECODE_MAX_ROWS = {"amx": 96, "avx512_bf16": 128}
+# An MLP's gated ``[gate; up]`` weight takes the same kernel, with its SiLU epilogue, up to this
+# many rows (None: any number). The AVX512-BF16 kernel ties oneDNN's product at prefill sizes, and
+# the epilogue saves the separate ``silu_mul`` pass over the ``[rows, 2 * inter]`` product: it
+# beat oneDNN + ``silu_mul`` at every size measured on Zen 4 (docs/performance.md), so it takes
+# prefill chunks too. AMX keeps its decode bound (not measured at prefill sizes).
+GATED_MAX_ROWS: dict[str, int | None] = {"amx": DECODE_MAX_ROWS["amx"], "avx512_bf16": None}
 
 
 def decode_max_rows() -> int:
@@ -189,22 +195,24 @@ def silu_mul_linear(
     (the caller computes the two steps)."""
     if _takes_f32_kernel(x, bias, packed) and packed.gated:
         return native.f32_linear(x, packed.f32, packed.out_features, True)
-    if not (_takes_decode_kernel(x, bias, packed) and packed.gated):
+    if not (_takes_decode_kernel(x, bias, packed, gated=True) and packed.gated):
         return None
     return native.decode_linear(x, packed.decode, packed.out_features, True, packed.kind)
 
 
 def _takes_decode_kernel(
-    x: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
+    x: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None, gated: bool = False
 ) -> TypeGuard[PackedWeight]:
-    return (
-        packed is not None
-        and packed.decode is not None
-        and packed.kind is not None
-        and bias is None
-        and x.dtype == torch.bfloat16
-        and x.shape[0] <= DECODE_MAX_ROWS[packed.kind]
-    )
+    if (
+        packed is None
+        or packed.decode is None
+        or packed.kind is None
+        or bias is not None
+        or x.dtype != torch.bfloat16
+    ):
+        return False
+    max_rows = (GATED_MAX_ROWS if gated else DECODE_MAX_ROWS)[packed.kind]
+    return max_rows is None or x.shape[0] <= max_rows
 
 
 def _takes_f32_kernel(

@@ -247,6 +247,39 @@ def test_only_bf16_decode_rows_without_bias_take_the_decode_kernel(
         torch.testing.assert_close(got, F.linear(x, weight, bias))
 
 
+@pytest.mark.parametrize("rows", [1, 128, 129, 2048])
+@pytest.mark.parametrize("kind", ["amx", "avx512_bf16"])
+def test_gated_rows_past_the_decode_bound_take_the_epilogue_where_it_wins(
+    monkeypatch: pytest.MonkeyPatch, kind: str, rows: int
+) -> None:
+    """On AVX512-BF16 an MLP's gate and up take the gated kernel at any row count (its epilogue
+    saves the silu_mul pass); the plain product and AMX keep their decode bounds."""
+    calls: list[tuple[int, bool]] = []
+
+    def spy(
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_features: int,
+        gated: bool = False,
+        kind: str | None = None,
+    ) -> torch.Tensor:
+        calls.append((x.shape[0], gated))
+        return torch.zeros(x.shape[0], out_features // 2 if gated else out_features)
+
+    monkeypatch.setattr(native, "decode_linear", spy)
+    weight = torch.randn(8, 16).bfloat16()
+    decode = torch.empty(0, dtype=torch.bfloat16)
+    gated = lin.PackedWeight(onednn=None, decode=decode, out_features=8, gated=True, kind=kind)
+    x = torch.randn(rows, 16).bfloat16()
+    got = lin.silu_mul_linear(x, weight, None, gated)
+    takes = kind == "avx512_bf16" or rows <= lin.DECODE_MAX_ROWS[kind]
+    assert (got is not None) == takes and calls == ([(rows, True)] if takes else [])
+    calls.clear()
+    plain = lin.PackedWeight(onednn=None, decode=decode, out_features=8, kind=kind)
+    lin.linear(x, weight, None, plain)
+    assert calls == ([(rows, False)] if rows <= lin.DECODE_MAX_ROWS[kind] else [])
+
+
 @pytest.mark.parametrize("kind", DECODE_KINDS)
 @pytest.mark.parametrize("rows", [1, 13, 17, 64, 96])
 @pytest.mark.parametrize("inter", [64, 40, 9], ids=["whole-tiles", "partial-tile", "tiny"])
@@ -271,7 +304,16 @@ def test_gated_decode_linear_is_silu_mul_of_the_rounded_product(
     assert (got != expected).float().mean() < 0.02
     # The plain product of a gated copy comes from oneDNN or F.linear, never the gated tiles.
     torch.testing.assert_close(lin.linear(x, weight, None, packed), F.linear(x, weight))
-    too_many = torch.randn(lin.DECODE_MAX_ROWS[kind] + 1, 96).bfloat16()
-    assert lin.silu_mul_linear(too_many, weight, None, packed) is None
+    limit = lin.GATED_MAX_ROWS[kind]
+    if limit is None:  # prefill-sized inputs take the epilogue too
+        many = torch.randn(lin.DECODE_MAX_ROWS[kind] + 37, 96, generator=gen).bfloat16()
+        got = lin.silu_mul_linear(many, weight, None, packed)
+        assert got is not None
+        torch.testing.assert_close(
+            got, fused.silu_mul(F.linear(many.float(), weight.float()).bfloat16())
+        )
+    else:
+        too_many = torch.randn(limit + 1, 96).bfloat16()
+        assert lin.silu_mul_linear(too_many, weight, None, packed) is None
     with pytest.raises(ValueError, match="even number of rows"):
         native.decode_pack_weight(weight[1:], gated=True)
