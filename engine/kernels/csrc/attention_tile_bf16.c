@@ -11,8 +11,8 @@
  *            SDPA round them), the two keys' values interleaved once per chunk and broadcast.
  * Scores, softmax and sums are float32; the output is rounded once to bf16.
  *
- * The value pairs are interleaved within 128-bit lanes (unpacklo/hi), so accumulator c holds
- * output dim dim_of(c); the permutation is undone when the tile is stored.
+ * The value pairs are interleaved within 128-bit lanes (unpacklo/hi), so output dim d sits in
+ * accumulator acc_of(d); the tile's store gathers each row's dims from there.
  */
 #include "attention_tile_bf16.h"
 
@@ -21,7 +21,6 @@
 #include <math.h>
 #include <string.h>
 
-#include "bf16.h"
 #include "vec16.h"
 
 #define KEYS 16 /* keys per chunk */
@@ -29,11 +28,12 @@
 
 int bf16_tile_available(void) { return 1; }
 
-/* Output dim held by accumulator c (see the file comment): within each 32 dims, accumulators
- * 0-15 come from unpacklo (dims 8L + 0..3 of 128-bit lane L) and 16-31 from unpackhi (8L + 4..7). */
-static inline int dim_of(int c) {
-    const int base = c & ~31, i = c & 31, hi = i >> 4, j = i & 15;
-    return base + 8 * (j >> 2) + 4 * hi + (j & 3);
+/* The accumulator that holds output dim d (see the file comment): within each 32 dims,
+ * accumulators 0-15 come from unpacklo (dims 8L + 0..3 of 128-bit lane L) and 16-31 from
+ * unpackhi (8L + 4..7). */
+static inline int acc_of(int d) {
+    const int base = d & ~31, e = d & 31;
+    return base + 16 * ((e >> 2) & 1) + 4 * (e >> 3) + (e & 3);
 }
 
 static inline __m512i bf16_bits(__m512 p) {
@@ -153,12 +153,26 @@ void bf16_attend_tile(const bf16_tile_args *a, int64_t qtok, int64_t first_pos, 
     _Alignas(64) float lsum[16], mx[16];
     _mm512_store_ps(lsum, l);
     _mm512_store_ps(mx, m);
+    /* Row r's output dims d0..d0 + 15 are lane r of accumulators acc_of(d0..d0 + 15): one gather
+     * each, at the element offsets cidx[g] + r. */
+    __m512i cidx[BF16_TILE_MAX_DIM / 16];
+    for (int g = 0; g < D / 16; g++) {
+        _Alignas(64) int32_t at[16];
+        for (int i = 0; i < 16; i++) at[i] = acc_of(16 * g + i) * 16;
+        cidx[g] = _mm512_load_si512(at);
+    }
     for (int r = 0; r < R; r++) {
         const int64_t tok = qtok + r / G;
         const int h = kvh * G + r % G;
         uint16_t *o = a->out + tok * a->out_stride + (int64_t)h * D;
-        const float inv = lsum[r] > 0.0f ? 1.0f / lsum[r] : 0.0f;
-        for (int c = 0; c < D; c++) o[dim_of(c)] = f32_to_bf16(acc[c][r] * inv);
+        const __m512 inv = _mm512_set1_ps(lsum[r] > 0.0f ? 1.0f / lsum[r] : 0.0f);
+        const __m512i lane = _mm512_set1_epi32(r);
+        for (int g = 0; g < D / 16; g++) {
+            const __m512 v =
+                _mm512_i32gather_ps(_mm512_add_epi32(cidx[g], lane), (const float *)acc, 4);
+            _mm256_storeu_si256((__m256i *)(o + 16 * g),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, inv)));
+        }
         if (a->lse != NULL)
             a->lse[tok * a->num_heads + h] = lsum[r] > 0.0f ? mx[r] * a->scale + logf(lsum[r]) : -INFINITY;
     }
