@@ -36,6 +36,31 @@ static inline int acc_of(int d) {
     return base + 16 * ((e >> 2) & 1) + 4 * (e >> 3) + (e & 3);
 }
 
+/* v[i] lane j -> v[j] lane i: a 16 x 16 transpose of 32-bit elements in registers (bit moves
+ * only, so it carries packed bf16 pairs as well as floats). */
+static inline void transpose16(__m512 v[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        v[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        v[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        v[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        v[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 2; i++)
+        for (int k = 0; k < 4; k++) {
+            t[8 * i + k] = _mm512_shuffle_f32x4(v[8 * i + k], v[8 * i + 4 + k], 0x88);
+            t[8 * i + 4 + k] = _mm512_shuffle_f32x4(v[8 * i + k], v[8 * i + 4 + k], 0xdd);
+        }
+    for (int k = 0; k < 8; k++) {
+        v[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
+        v[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd);
+    }
+}
+
 static inline __m512i bf16_bits(__m512 p) {
     return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));
 }
@@ -51,13 +76,17 @@ void bf16_attend_tile(const bf16_tile_args *a, int64_t qtok, int64_t first_pos, 
     _Alignas(64) uint32_t vs[KEYS / 2][BF16_TILE_MAX_DIM];
     _Alignas(64) int32_t lim[16];
 
-    memset(qt, 0, sizeof(uint32_t) * 16 * (size_t)P);
-    for (int r = 0; r < 16; r++) lim[r] = -1; /* padding lanes see nothing */
-    for (int r = 0; r < R; r++) {
-        const uint32_t *qr = (const uint32_t *)(a->q + (qtok + r / G) * a->q_stride +
-                                                (int64_t)(kvh * G + r % G) * D);
-        for (int j = 0; j < P; j++) qt[j][r] = qr[j];
-        lim[r] = (int32_t)(first_pos + r / G);
+    for (int r = 0; r < 16; r++) lim[r] = r < R ? (int32_t)(first_pos + r / G) : -1;
+    /* The query pairs transposed 16 at a time: qt[j] lane r = pair j of row r (padding rows,
+     * lanes R..15, are zeros and see nothing). */
+    for (int j0 = 0; j0 < P; j0 += 16) {
+        __m512 v[16];
+        for (int r = 0; r < 16; r++)
+            v[r] = r < R ? _mm512_loadu_ps(a->q + (qtok + r / G) * a->q_stride +
+                                           (int64_t)(kvh * G + r % G) * D + 2 * j0)
+                         : _mm512_setzero_ps();
+        transpose16(v);
+        for (int j = 0; j < 16; j++) _mm512_store_ps(qt[j0 + j], v[j]);
     }
     memset(acc, 0, sizeof(float) * 16 * (size_t)D);
     const __m512i limv = _mm512_load_si512(lim);
@@ -153,26 +182,22 @@ void bf16_attend_tile(const bf16_tile_args *a, int64_t qtok, int64_t first_pos, 
     _Alignas(64) float lsum[16], mx[16];
     _mm512_store_ps(lsum, l);
     _mm512_store_ps(mx, m);
-    /* Row r's output dims d0..d0 + 15 are lane r of accumulators acc_of(d0..d0 + 15): one gather
-     * each, at the element offsets cidx[g] + r. */
-    __m512i cidx[BF16_TILE_MAX_DIM / 16];
-    for (int g = 0; g < D / 16; g++) {
-        _Alignas(64) int32_t at[16];
-        for (int i = 0; i < 16; i++) at[i] = acc_of(16 * g + i) * 16;
-        cidx[g] = _mm512_load_si512(at);
+    /* Each lane (row) scaled by its 1 / sum, then the rows' dims transposed out of the lanes
+     * 16 at a time: dim d comes from accumulator acc_of(d). */
+    const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                           _mm512_set1_ps(1.0f), l);
+    for (int d0 = 0; d0 < D; d0 += 16) {
+        __m512 v[16];
+        for (int i = 0; i < 16; i++) v[i] = _mm512_mul_ps(_mm512_load_ps(acc[acc_of(d0 + i)]), inv);
+        transpose16(v);
+        for (int r = 0; r < R; r++) {
+            uint16_t *o = a->out + (qtok + r / G) * a->out_stride + (int64_t)(kvh * G + r % G) * D;
+            _mm256_storeu_si256((__m256i *)(o + d0), (__m256i)_mm512_cvtneps_pbh(v[r]));
+        }
     }
     for (int r = 0; r < R; r++) {
         const int64_t tok = qtok + r / G;
         const int h = kvh * G + r % G;
-        uint16_t *o = a->out + tok * a->out_stride + (int64_t)h * D;
-        const __m512 inv = _mm512_set1_ps(lsum[r] > 0.0f ? 1.0f / lsum[r] : 0.0f);
-        const __m512i lane = _mm512_set1_epi32(r);
-        for (int g = 0; g < D / 16; g++) {
-            const __m512 v =
-                _mm512_i32gather_ps(_mm512_add_epi32(cidx[g], lane), (const float *)acc, 4);
-            _mm256_storeu_si256((__m256i *)(o + 16 * g),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, inv)));
-        }
         if (a->lse != NULL)
             a->lse[tok * a->num_heads + h] = lsum[r] > 0.0f ? mx[r] * a->scale + logf(lsum[r]) : -INFINITY;
     }
