@@ -201,6 +201,25 @@ def test_decode_linear_is_the_same_at_every_thread_count(kind: str, gated: bool,
         assert got is not None and torch.equal(got, one), f"{threads} threads"
 
 
+def spy_decode_linear(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool, str | None]]:
+    """Replaces ``native.decode_linear`` with zeros of its output's shape; the list it returns
+    fills with each call's (rows, gated, kind)."""
+    calls: list[tuple[int, bool, str | None]] = []
+
+    def spy(
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_features: int,
+        gated: bool = False,
+        kind: str | None = None,
+    ) -> torch.Tensor:
+        calls.append((x.shape[0], gated, kind))
+        return torch.zeros(x.shape[0], out_features // 2 if gated else out_features, dtype=x.dtype)
+
+    monkeypatch.setattr(native, "decode_linear", spy)
+    return calls
+
+
 @pytest.mark.parametrize(
     ("rows", "dtype", "with_bias", "decode"),
     [
@@ -221,19 +240,7 @@ def test_only_bf16_decode_rows_without_bias_take_the_decode_kernel(
     with_bias: bool,
     decode: bool,
 ) -> None:
-    calls: list[tuple[int, str | None]] = []
-
-    def spy(
-        x: torch.Tensor,
-        packed: torch.Tensor,
-        out_features: int,
-        gated: bool = False,
-        kind: str | None = None,
-    ) -> torch.Tensor:
-        calls.append((x.shape[0], kind))
-        return torch.zeros(x.shape[0], out_features, dtype=x.dtype)
-
-    monkeypatch.setattr(native, "decode_linear", spy)
+    calls = spy_decode_linear(monkeypatch)
     monkeypatch.setitem(lin.DECODE_MAX_ROWS, kind, lin.DECODE_MAX_ROWS["avx512_bf16"])
     weight = torch.randn(8, 16).to(dtype)
     bias = torch.randn(8).to(dtype) if with_bias else None
@@ -242,7 +249,7 @@ def test_only_bf16_decode_rows_without_bias_take_the_decode_kernel(
     )
     x = torch.randn(rows, 16).to(dtype)
     got = lin.linear(x, weight, bias, packed)
-    assert calls == ([(rows, kind)] if decode else [])
+    assert calls == ([(rows, False, kind)] if decode else [])
     if not decode:
         torch.testing.assert_close(got, F.linear(x, weight, bias))
 
@@ -254,30 +261,18 @@ def test_gated_rows_past_the_decode_bound_take_the_epilogue_where_it_wins(
 ) -> None:
     """On AVX512-BF16 an MLP's gate and up take the gated kernel at any row count (its epilogue
     saves the silu_mul pass); the plain product and AMX keep their decode bounds."""
-    calls: list[tuple[int, bool]] = []
-
-    def spy(
-        x: torch.Tensor,
-        packed: torch.Tensor,
-        out_features: int,
-        gated: bool = False,
-        kind: str | None = None,
-    ) -> torch.Tensor:
-        calls.append((x.shape[0], gated))
-        return torch.zeros(x.shape[0], out_features // 2 if gated else out_features)
-
-    monkeypatch.setattr(native, "decode_linear", spy)
+    calls = spy_decode_linear(monkeypatch)
     weight = torch.randn(8, 16).bfloat16()
     decode = torch.empty(0, dtype=torch.bfloat16)
     gated = lin.PackedWeight(onednn=None, decode=decode, out_features=8, gated=True, kind=kind)
     x = torch.randn(rows, 16).bfloat16()
     got = lin.silu_mul_linear(x, weight, None, gated)
     takes = kind == "avx512_bf16" or rows <= lin.DECODE_MAX_ROWS[kind]
-    assert (got is not None) == takes and calls == ([(rows, True)] if takes else [])
+    assert (got is not None) == takes and calls == ([(rows, True, kind)] if takes else [])
     calls.clear()
     plain = lin.PackedWeight(onednn=None, decode=decode, out_features=8, kind=kind)
     lin.linear(x, weight, None, plain)
-    assert calls == ([(rows, False)] if rows <= lin.DECODE_MAX_ROWS[kind] else [])
+    assert calls == ([(rows, False, kind)] if rows <= lin.DECODE_MAX_ROWS[kind] else [])
 
 
 @pytest.mark.parametrize("kind", DECODE_KINDS)
