@@ -18,7 +18,8 @@ On a CPU with AMX, bf16 inputs of up to ``decode_max_rows()`` rows (decode steps
 project's AMX kernel instead (``csrc/amx_linear.c``): with its own tile layout of the weight it
 streams the weights faster than oneDNN at 1-64 rows, where a step is bound by reading
 them. On a CPU with AVX512-BF16 but no AMX (AMD Zen 4) the same layout feeds a ``vdpbf16ps``
-kernel (``csrc/decode_linear.c``), faster than oneDNN there from 1 to 128 rows. That
+kernel (``csrc/decode_linear.c``), faster than oneDNN there from 1 to 128 rows; an MLP's gate
+and up take it at any row count, where its SiLU epilogue saves a pass over the product. That
 layout is a third copy of the bf16 weights in memory. The figures: docs/performance.md,
 "Figures behind the code".
 
@@ -83,7 +84,7 @@ _scratch = threading.local()
 # (``native.decode_linear_kind()``), oneDNN beyond. AMX beat oneDNN from 1 to 64 rows, tied at
 # 128 and lost at 256 (``python -m benchmarks.floors``, Sapphire Rapids); the AVX512-BF16 kernel
 # beat oneDNN by 1.7x at 1 row, 1.2x at 64, 1.1x at 128 and 1.06x at 192, tied at 256 (Zen 4,
-# docs/performance.md), and prefill keeps oneDNN.
+# docs/performance.md), and prefill keeps oneDNN (but for an MLP's gate and up, below).
 DECODE_MAX_ROWS = {"amx": 96, "avx512_bf16": 128}
 # An MLP's gated ``[gate; up]`` weight takes the same kernel, with its SiLU epilogue, up to this
 # many rows (None: any number). The AVX512-BF16 kernel ties oneDNN's product at prefill sizes, and

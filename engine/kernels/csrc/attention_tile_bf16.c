@@ -12,7 +12,7 @@
  * Scores, softmax and sums are float32; the output is rounded once to bf16.
  *
  * The value pairs are interleaved within 128-bit lanes (unpacklo/hi), so output dim d sits in
- * accumulator acc_of(d); the tile's store gathers each row's dims from there.
+ * accumulator acc_of(d); the tile's store transposes each row's dims out of them.
  */
 #include "attention_tile_bf16.h"
 
