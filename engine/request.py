@@ -79,6 +79,12 @@ _ALLOWED = {
 }
 
 
+def prefill_tokens_left(num_tokens: int, num_computed_tokens: int, num_output_tokens: int) -> int:
+    """Tokens still to compute before the decode phase: the rest of the prompt, or a preempted
+    request's prompt and outputs (its newest token is the next decode's input, not prefill)."""
+    return max(0, num_tokens - num_computed_tokens - (num_output_tokens > 0))
+
+
 class Request:
     def __init__(
         self,
@@ -164,9 +170,9 @@ class Request:
 
     @property
     def num_prefill_tokens_left(self) -> int:
-        """Tokens still to compute before the decode phase: the rest of the prompt, or a
-        preempted request's prompt and outputs (its newest token is the next decode's input)."""
-        return max(0, self.num_tokens - self.num_computed_tokens - (self.num_output_tokens > 0))
+        return prefill_tokens_left(
+            self.num_tokens, self.num_computed_tokens, self.num_output_tokens
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -20,7 +20,7 @@ from benchmarks.sim.ray_policies import KVSignals
 from benchmarks.sim.trace import SimRequestSpec
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.request import RequestStatus
+from engine.request import RequestStatus, prefill_tokens_left
 from engine.scheduler import Scheduler, SchedulerOutput
 
 _MAX_MODEL_LEN = 1 << 40  # the simulator does not limit sequence length
@@ -100,8 +100,9 @@ class SimRequest:
 
     @property
     def num_prefill_tokens_left(self) -> int:
-        """As ``engine.request.Request.num_prefill_tokens_left``."""
-        return max(0, self.num_tokens - self.num_computed_tokens - (self.num_output_tokens > 0))
+        return prefill_tokens_left(
+            self.num_tokens, self.num_computed_tokens, self.num_output_tokens
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -196,14 +196,16 @@ def silu_mul_linear(
     (the caller computes the two steps)."""
     if _takes_f32_kernel(x, bias, packed) and packed.gated:
         return native.f32_linear(x, packed.f32, packed.out_features, True)
-    if not (_takes_decode_kernel(x, bias, packed, gated=True) and packed.gated):
+    if not (_takes_decode_kernel(x, bias, packed) and packed.gated):
         return None
     return native.decode_linear(x, packed.decode, packed.out_features, True, packed.kind)
 
 
 def _takes_decode_kernel(
-    x: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None, gated: bool = False
+    x: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
 ) -> TypeGuard[PackedWeight]:
+    """Whether ``x`` can take ``packed``'s decode tiles: a gated copy's bound is its epilogue's
+    (``GATED_MAX_ROWS``), which only :func:`silu_mul_linear` uses."""
     if (
         packed is None
         or packed.decode is None
@@ -212,7 +214,7 @@ def _takes_decode_kernel(
         or x.dtype != torch.bfloat16
     ):
         return False
-    max_rows = (GATED_MAX_ROWS if gated else DECODE_MAX_ROWS)[packed.kind]
+    max_rows = (GATED_MAX_ROWS if packed.gated else DECODE_MAX_ROWS)[packed.kind]
     return max_rows is None or x.shape[0] <= max_rows
 
 
