@@ -315,6 +315,8 @@ class CompletionRequest(SamplingFields):
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.suffix:
             raise ProtocolError("suffix: not supported", "suffix")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ProtocolError(f"best_of: must be at least n ({self.n})", "best_of")
         if self.best_of not in (None, 1):
             raise ProtocolError("best_of: not supported", "best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:

@@ -185,13 +185,27 @@ class RequestValidator:
                 param=param,
             )
 
-    def _check_lengths(self, prompt_ids: list[int], max_tokens: int, param: str) -> None:
+    def _check_lengths(
+        self, prompt_ids: list[int], max_tokens: int, param: str, prompt_param: str = "prompt"
+    ) -> None:
+        """``param`` names the field that asked for ``max_tokens``, ``prompt_param`` the one that
+        holds the prompt (``messages`` for chat): an error names the field to change."""
         if not prompt_ids:
             raise HTTPError(400, "prompt: must not be empty", param="prompt")
         limit = self.args.limits.max_prompt_tokens
         if limit and len(prompt_ids) > limit:
             raise HTTPError(
                 400, f"prompt: {len(prompt_ids)} tokens exceed the limit of {limit}", param="prompt"
+            )
+        if len(prompt_ids) >= self.max_model_len:
+            # No max_tokens could fit: the prompt is what must change (and chat's default
+            # max_tokens, computed from the room left, was never the client's).
+            raise HTTPError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"({prompt_param}) alone is {len(prompt_ids)} tokens, leaving no room to generate.",
+                param=prompt_param,
+                code="context_length_exceeded",
             )
         if len(prompt_ids) + max_tokens > self.max_model_len:
             raise HTTPError(
@@ -261,7 +275,7 @@ class RequestValidator:
         except ProtocolError as e:
             raise HTTPError(400, str(e), param=e.param) from e
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        self._check_lengths(prompt_ids, params.max_tokens, param)
+        self._check_lengths(prompt_ids, params.max_tokens, param, "messages")
         self._check_token_ids(params)
         builder = ResponseBuilder(
             "chat",

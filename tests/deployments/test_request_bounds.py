@@ -414,3 +414,31 @@ def test_admission_counts_prompts_times_n() -> None:
     gen.check_capacity(30)  # 10 + 30 fits
     held.release()
     assert admission.inflight == 0
+
+
+def test_a_prompt_that_fills_the_context_is_refused_on_its_own_field(
+    validator: RequestValidator,
+) -> None:
+    """The prompt alone leaves no room for a token: the error names the prompt's field (chat's
+    default max_tokens is derived, not the client's), with OpenAI's code; a prompt that fits
+    with too large a max_tokens still names max_tokens."""
+    full = [100 + i % 1000 for i in range(validator.max_model_len)]
+    error = refusal(validator.completion, completion(prompt=full, max_tokens=1))
+    assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    assert f"(prompt) alone is {validator.max_model_len} tokens" in error["message"]
+    words = "word " * (validator.max_model_len + 10)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": words}]}
+    error = refusal(validator.chat, body)
+    assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
+    error = refusal(validator.completion, completion(prompt=full[:-8], max_tokens=9))
+    assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
+    assert validator.completion(completion(prompt=full[:-8], max_tokens=8)).prompts[0] == full[:-8]
+
+
+def test_best_of_below_n_is_refused(validator: RequestValidator) -> None:
+    """OpenAI: best_of candidates, of which n are returned, so best_of must be at least n."""
+    error = refusal(validator.completion, completion(n=2, best_of=1))
+    assert error["param"] == "best_of"
+    assert "at least n" in error["message"]
+    assert len(validator.completion(completion(n=2)).prompts) == 1
+    assert validator.completion(completion(best_of=1)).prompts
