@@ -235,7 +235,9 @@ INVALID = [
     ("completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
     ("completions", {"model": "tiny", "prompt": [1, 2, 10**9]}, 400, "prompt"),
     ("completions", {"model": "tiny", "prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
-    ("completions", {"model": "tiny", "prompt": list(range(3, 1100))}, 400, "max_tokens"),
+    # The prompt alone overflows the context (1,024); one that fits asks for too many tokens.
+    ("completions", {"model": "tiny", "prompt": list(range(3, 1100))}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": [5] * 1000, "max_tokens": 100}, 400, "max_tokens"),
     ("completions", {"model": "tiny"}, 400, "prompt"),
     ("completions", {"model": "tiny", "prompt": "hi", "logprobs": 99}, 400, "logprobs"),
     ("completions", {"model": "tiny", "prompt": "hi", "stop": [""]}, 400, "stop"),
