@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpuinfo import cpu_flags
+from engine.cpuinfo import cpu_flags, cpu_vendor
 from engine.kernels import kernel_cache
 
 logger = logging.getLogger(__name__)
@@ -181,28 +181,19 @@ def load() -> ctypes.CDLL | None:
     lib.f32_pack_weight.argtypes = [ptr, i64, i64, i32, ptr]
     lib.f32_linear.restype = i32
     lib.f32_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, i32, ptr, i64, i32]
-    lib.llama_forward_bf16.restype = i32
-    lib.llama_forward_bf16.argtypes = [
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        i32,
-        ptr,
-        i32,
-    ]
-    lib.llama_layer_pre_bf16.restype = i32
-    lib.llama_layer_pre_bf16.argtypes = [ptr, i32, ptr, ptr, i64, ptr, ptr, ptr, ptr, i32]
-    lib.llama_layer_post_bf16.restype = i32
-    lib.llama_layer_post_bf16.argtypes = [ptr, i32, ptr, ptr, ptr, ptr, ptr, i64, i32]
-    lib.llama_final_norm_bf16.restype = None
-    lib.llama_final_norm_bf16.argtypes = [ptr, ptr, ptr, i64, ptr, i32]
+    for suffix in ("bf16", "f32"):
+        stack = getattr(lib, f"llama_forward_{suffix}")
+        stack.restype = i32
+        stack.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, ptr, i32]
+        pre = getattr(lib, f"llama_layer_pre_{suffix}")
+        pre.restype = i32
+        pre.argtypes = [ptr, i32, ptr, ptr, i64, ptr, ptr, ptr, ptr, i32]
+        post = getattr(lib, f"llama_layer_post_{suffix}")
+        post.restype = i32
+        post.argtypes = [ptr, i32, ptr, ptr, ptr, ptr, ptr, i64, i32]
+        final = getattr(lib, f"llama_final_norm_{suffix}")
+        final.restype = None
+        final.argtypes = [ptr, ptr, ptr, i64, ptr, i32]
     for suffix in ("bf16", "f32"):
         norm = getattr(lib, f"add_rms_norm_{suffix}")
         norm.restype = None
@@ -384,12 +375,20 @@ def f32_kernel_available() -> bool:
     return lib is not None and bool(lib.f32_linear_available())
 
 
+def f32_kernel_wins(flags: frozenset[str], vendor: str) -> bool:
+    """Whether the float32 kernel beats oneDNN's packed kernel on a CPU with these flags and
+    this vendor, as measured (``python -m benchmarks.floors``, docs/performance.md): without
+    AVX-512 (AVX2 + FMA: AMD Zen 2/3, Intel laptops), and on AMD's AVX-512 (Zen 4), where it
+    beat oneDNN at every row count measured, 1 to 2,048. On Intel's AVX-512 it has not been
+    measured against oneDNN, so oneDNN stays there."""
+    return "avx512f" not in flags or vendor == "AuthenticAMD"
+
+
 @functools.cache
 def f32_linear_preferred() -> bool:
-    """Whether float32 linears take that kernel here: built, on a CPU without AVX-512, where it
-    beat oneDNN and MKL (Zen 3). With AVX-512 oneDNN's kernels are twice as wide and this one,
-    written for AVX2's 16 registers, has not been measured against them."""
-    return f32_kernel_available() and "avx512f" not in cpu_flags()
+    """Whether float32 linears take that kernel here: built, and :func:`f32_kernel_wins` on
+    this CPU."""
+    return f32_kernel_available() and f32_kernel_wins(cpu_flags(), cpu_vendor())
 
 
 def f32_pack_weight(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:

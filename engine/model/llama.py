@@ -117,7 +117,7 @@ class LlamaForCausalLM(nn.Module):
             self.local_rope_cos, self.local_rope_sin = local
 
     def forward_path(self) -> str:
-        """Which forward this model takes on its device and dtype: ``native`` (the whole bf16
+        """Which forward this model takes on its device and dtype: ``native`` (the whole
         decode stack in one call, where a step qualifies; else ``fused``), ``fused`` (native
         elementwise kernels around the linear layers) or ``reference`` (PyTorch ops)."""
         if not (self.use_fused and self.plain_llama and fused.enabled(self.embed)):

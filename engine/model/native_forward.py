@@ -1,19 +1,25 @@
-"""The decoder stack of a bf16 decode step in one native call (``csrc/llama_forward.c``).
+"""The decoder stack of a decode step in one native call (``csrc/llama_forward.c``), in bf16 or
+float32.
 
 The layer loop of :meth:`LlamaForCausalLM.forward` over ``layer_ops.FusedOps`` calls ~9 native
 kernels per layer; at decode batch sizes the Python around them (wrappers, ctypes crossings, a
 fresh tensor per output) and the idle OpenMP threads between them cost a sixth of a step at
 batch 64, a third of that with one call (docs/performance.md, "Figures behind the code").
 :class:`NativeForward` describes the model to C once (shapes, and per layer pointers to the norm
-weights, the decode-packed weights and the KV cache) and then runs a
-step's whole stack in one call: the same kernels in the same order, so the hidden states are
-bit for bit those of the Python loop (tested).
+weights, the packed weights and the KV cache) and then runs a step's whole stack in one call:
+the same kernels in the same order, so the hidden states are bit for bit those of the Python
+loop (tested).
 
-It applies only where every piece of that loop would have taken the native path: bf16 on CPU
-with the fused kernels, weights packed for the decode linear kernel (AMX, or AVX512-BF16 on CPUs
-without AMX such as AMD Zen 4; ``csrc/decode_linear.c`` picks the same kind as
-``native.decode_linear_kind``) without biases and at most ``decode_max_rows()`` tokens. Where
-the attention backend's step is one native call over the whole batch
+It applies only where every piece of that loop would have taken the native path, on CPU with
+the fused kernels and without biases:
+
+* bf16: weights packed for the decode linear kernel (AMX, or AVX512-BF16 on CPUs without AMX
+  such as AMD Zen 4; ``csrc/decode_linear.c`` picks the same kind as
+  ``native.decode_linear_kind``), at most ``decode_max_rows()`` tokens;
+* float32: weights packed for the float32 kernel (``csrc/f32_linear.c``, where
+  ``native.f32_linear_preferred``), at most ``F32_MAX_ROWS`` tokens.
+
+Where the attention backend's step is one native call over the whole batch
 (``AttentionBackend.native_step``) the whole stack is one call; otherwise (a shared-prefix split,
 prompt chunks on SDPA) each layer is two native calls around the backend's attention. Anything
 else returns None from :meth:`run` and the caller takes the Python loop.
@@ -34,7 +40,7 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.kernels import native
 from engine.model.config import ModelConfig
-from engine.model.linear import decode_max_rows
+from engine.model.linear import PackedWeight, decode_max_rows
 
 
 class LlamaForCausalLM(Protocol):
@@ -55,6 +61,18 @@ class LlamaForCausalLM(Protocol):
 
 
 _PTRS = ctypes.POINTER(ctypes.c_void_p)
+# The most tokens of a float32 step the stack takes. Its kernel has no row limit, but past
+# decode sizes one call saves little against the loop, which also runs the last layer's output
+# projection and MLP for the sampled rows only (``forward(keep=...)``): a prompt chunk stays there.
+F32_MAX_ROWS = 128
+# The C entry points' suffix per dtype (``llama_forward_bf16``, ``llama_forward_f32``...).
+SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def _packed(weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor | None:
+    """The copy of ``weight`` the dtype's kernel reads: the decode tiles (bf16) or the float32
+    panels."""
+    return weight.decode if dtype == torch.bfloat16 else weight.f32
 
 
 class _Model(ctypes.Structure):
@@ -87,7 +105,7 @@ def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
 
 
 class NativeForward:
-    """One model's description for ``llama_forward_bf16``, built on first use."""
+    """One model's description for ``llama_forward_bf16`` / ``_f32``, built on first use."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
@@ -98,10 +116,13 @@ class NativeForward:
     @staticmethod
     def supported(model: LlamaForCausalLM) -> bool:
         """Whether the model's weights allow the native stack at all."""
-        if model.embed.dtype != torch.bfloat16 or model.embed.device.type != "cpu":
+        dtype = model.embed.dtype
+        if dtype not in SUFFIX or model.embed.device.type != "cpu":
             return False
-        kind = native.decode_linear_kind()
-        if kind is None or model.rope_cos.dtype != torch.float32:
+        if model.rope_cos.dtype != torch.float32:
+            return False
+        kind = native.decode_linear_kind() if dtype == torch.bfloat16 else None
+        if dtype == torch.bfloat16 and kind is None:
             return False
         for layer in model.layers:
             if any(
@@ -110,11 +131,11 @@ class NativeForward:
             ):
                 return False
             packed = layer.packed
-            if any(
-                packed[name] is None or packed[name].decode is None or packed[name].kind != kind
-                for name in packed
-            ):
-                return False
+            for p in packed.values():
+                if p is None or _packed(p, dtype) is None:
+                    return False
+                if dtype == torch.bfloat16 and p.kind != kind:
+                    return False
             if not packed["gate_up"].gated:
                 return False
         return True
@@ -128,10 +149,10 @@ class NativeForward:
         per_layer = {
             "input_norm": [layer.input_norm for layer in layers],
             "post_norm": [layer.post_norm for layer in layers],
-            "qkv": [layer.packed["qkv"].decode for layer in layers],
-            "o": [layer.packed["o"].decode for layer in layers],
-            "gate_up": [layer.packed["gate_up"].decode for layer in layers],
-            "down": [layer.packed["down"].decode for layer in layers],
+            **{
+                name: [_packed(layer.packed[name], m.embed.dtype) for layer in layers]
+                for name in ("qkv", "o", "gate_up", "down")
+            },
             "k_cache": [k for k, _ in kv_caches],
             "v_cache": [v for _, v in kv_caches],
         }
@@ -164,8 +185,10 @@ class NativeForward:
     ) -> torch.Tensor | None:
         """The final normed hidden states ``[T, hidden]``, or None where the step does not
         qualify (the caller runs the Python loop)."""
-        t = input_ids.shape[0]
-        if t == 0 or t > decode_max_rows() or len(kv_caches) != self.model.cfg.num_layers:
+        t, dtype = input_ids.shape[0], self.model.embed.dtype
+        if t == 0 or len(kv_caches) != self.model.cfg.num_layers:
+            return None
+        if t > (decode_max_rows() if dtype == torch.bfloat16 else F32_MAX_ROWS):
             return None
         lib = native.load()
         if lib is None:
@@ -180,7 +203,7 @@ class NativeForward:
         tables, seq_lens, starts, qlens = seqs
         x = torch.nn.functional.embedding(input_ids, self.model.embed).contiguous()
         out = torch.empty_like(x)
-        rc = lib.llama_forward_bf16(
+        rc = getattr(lib, f"llama_forward_{SUFFIX[dtype]}")(
             ctypes.byref(self._describe(kv_caches)),
             x.data_ptr(),
             t,
@@ -215,16 +238,20 @@ class NativeForward:
         desc = ctypes.byref(self._describe(kv_caches))
         t, threads = input_ids.shape[0], torch.get_num_threads()
         x = torch.nn.functional.embedding(input_ids, m.embed).contiguous()
-        bf16 = torch.bfloat16
-        h = torch.empty(t, cfg.hidden_size, dtype=bf16)
-        delta = torch.empty(t, cfg.hidden_size, dtype=bf16)
-        act = torch.empty(t, cfg.intermediate_size, dtype=bf16)
-        qkv = torch.empty(t, cfg.q_size + 2 * cfg.kv_size, dtype=bf16)
+        dtype = x.dtype
+        pre, post, final = (
+            getattr(lib, f"llama_{name}_{SUFFIX[dtype]}")
+            for name in ("layer_pre", "layer_post", "final_norm")
+        )
+        h = torch.empty(t, cfg.hidden_size, dtype=dtype)
+        delta = torch.empty(t, cfg.hidden_size, dtype=dtype)
+        act = torch.empty(t, cfg.intermediate_size, dtype=dtype)
+        qkv = torch.empty(t, cfg.q_size + 2 * cfg.kv_size, dtype=dtype)
         q = qkv[:, : cfg.q_size].view(t, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         for i, (k_cache, v_cache) in enumerate(kv_caches):
-            rc = lib.llama_layer_pre_bf16(
+            rc = pre(
                 desc,
                 i,
                 x.data_ptr(),
@@ -241,7 +268,7 @@ class NativeForward:
                 .reshape(t, cfg.q_size)
                 .contiguous()
             )
-            rc |= lib.llama_layer_post_bf16(
+            rc |= post(
                 desc,
                 i,
                 x.data_ptr(),
@@ -255,5 +282,5 @@ class NativeForward:
             if rc != 0:
                 raise RuntimeError(f"native llama layer {i} failed ({rc})")
         out = torch.empty_like(x)
-        lib.llama_final_norm_bf16(desc, x.data_ptr(), delta.data_ptr(), t, out.data_ptr(), threads)
+        final(desc, x.data_ptr(), delta.data_ptr(), t, out.data_ptr(), threads)
         return out

@@ -1,10 +1,12 @@
 /* float32 linear layers for decode-sized batches, y[M, N] = x[M, K] . W[N, K]^T with float32
  * sums in k order (one fused multiply-add per input, so a row's result does not depend on the
- * other rows of the batch), over a packed copy of the weight. For CPUs whose float32 path is
- * AVX2 + FMA (AMD Zen 2/3, Intel before AVX-512): oneDNN's packed kernel reaches ~45% of the
- * memory bandwidth at 1-8 rows and ~65% of the FMA peak at 32-64 rows there; this kernel streams
- * each weight once per call with a prefetch ahead of it and keeps 6 rows x 16 features of sums
- * in registers (docs/performance.md has the measurements).
+ * other rows of the batch), over a packed copy of the weight. Written for CPUs whose float32
+ * path is AVX2 + FMA (AMD Zen 2/3, Intel before AVX-512), where oneDNN's packed kernel reaches
+ * ~45% of the memory bandwidth at 1-8 rows and ~65% of the FMA peak at 32-64 rows; also taken on
+ * AMD's AVX-512 (Zen 4), where the same blocking in zmm registers beats oneDNN too (more rows
+ * per block did not help there). It streams each weight once per call with a prefetch ahead of
+ * it and keeps 6 rows x 16 features of sums in registers (docs/performance.md has the
+ * measurements).
  *
  * Packed layout (f32_pack_weight): panel b (16 output features starting at weight row
  * f32_block_row(b)) sits at element b * K * 16 and holds panel[k][c] = W[row(b) + c][k]: one

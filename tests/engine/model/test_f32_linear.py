@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.cpuinfo import cpu_flags
+from engine.cpuinfo import cpu_flags, cpu_vendor
 from engine.kernels import native
 from engine.model import fused
 from engine.model import linear as lin
@@ -92,9 +92,22 @@ def test_a_copy_of_another_shape_is_refused() -> None:
     assert native.f32_linear(torch.randn(2, 16).bfloat16(), packed, 32) is None
 
 
-def test_the_kernel_is_preferred_exactly_on_avx2_without_avx512() -> None:
+@pytest.mark.parametrize(
+    ("flags", "vendor", "wins"),
+    [
+        ({"avx2", "fma"}, "AuthenticAMD", True),  # Zen 2/3
+        ({"avx2", "fma"}, "GenuineIntel", True),  # laptops
+        ({"avx2", "avx512f", "avx512_bf16"}, "AuthenticAMD", True),  # Zen 4
+        ({"avx2", "avx512f", "amx_bf16"}, "GenuineIntel", False),  # Sapphire Rapids: oneDNN
+    ],
+)
+def test_where_the_kernel_wins(flags: set[str], vendor: str, wins: bool) -> None:
+    assert native.f32_kernel_wins(frozenset(flags), vendor) is wins
+
+
+def test_the_kernel_is_preferred_where_built_and_it_wins() -> None:
     flags = cpu_flags()
-    expected = native.available() and "avx2" in flags and "avx512f" not in flags
+    expected = native.f32_kernel_available() and native.f32_kernel_wins(flags, cpu_vendor())
     assert native.f32_linear_preferred() == expected
     packed = lin.pack_weight(torch.randn(64, 32))
     if expected:

@@ -16,6 +16,15 @@ needs_decode_kernel = pytest.mark.skipif(
     native.decode_linear_kind() is None,
     reason="needs a CPU with AMX or AVX512-BF16 (avx512_bf16) and the native kernels",
 )
+needs_f32_kernel = pytest.mark.skipif(
+    not native.f32_linear_preferred(),
+    reason="needs the float32 kernel, on a CPU where it is preferred (AVX2 without AVX-512, AMD)",
+)
+# Each dtype the stack runs in, skipped where its linear kernel does not run.
+DTYPES = [
+    pytest.param("bfloat16", marks=needs_decode_kernel),
+    pytest.param("float32", marks=needs_f32_kernel),
+]
 
 
 def _next_batch(llm: LLM):
@@ -35,11 +44,11 @@ def head_dim_64(tmp_path_factory: pytest.TempPathFactory):
     )
 
 
-@needs_decode_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("which", ["tiny", "head-dim-64"])
-def test_native_stack_matches_the_python_loop_bit_for_bit(which, tiny_llama, head_dim_64):
+def test_native_stack_matches_the_python_loop_bit_for_bit(which, dtype, tiny_llama, head_dim_64):
     """A step of decodes plus a short prompt chunk (one native attention call per layer)."""
-    llm = LLM(model=str(tiny_llama if which == "tiny" else head_dim_64), dtype="bfloat16")
+    llm = LLM(model=str(tiny_llama if which == "tiny" else head_dim_64), dtype=dtype)
     engine, model = llm.engine, llm.engine.model
     assert model.native_forward is not None
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
@@ -55,7 +64,7 @@ def test_native_stack_matches_the_python_loop_bit_for_bit(which, tiny_llama, hea
     assert got is not None
     model.use_native_forward = False
     expected = model(batch.input_ids, batch.positions, kv, batch.meta)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+    assert got.dtype == getattr(torch, dtype) and torch.equal(got, expected)
 
 
 @needs_decode_kernel
@@ -94,8 +103,8 @@ def test_a_prefill_chunk_runs_natively_either_way_bit_for_bit(tiny_llama):
     assert torch.equal(got, expected)
 
 
-@needs_decode_kernel
-def test_a_shared_prefix_split_step_runs_per_layer_bit_for_bit(head_dim_64, monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_shared_prefix_split_step_runs_per_layer_bit_for_bit(dtype, head_dim_64, monkeypatch):
     """Decodes behind one cached system prompt take the backend's shared-prefix split (an SDPA
     call over the prefix, the kernel over each sequence's own keys, a merge), which is not one
     native call: each layer runs as two native calls around it, with the Python loop's hidden
@@ -106,7 +115,7 @@ def test_a_shared_prefix_split_step_runs_per_layer_bit_for_bit(head_dim_64, monk
     system = [(11 * j) % 500 + 1 for j in range(48)]
     prompts = [system + [(5 * i + j) % 500 + 1 for j in range(3 + i)] for i in range(6)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    llm = LLM(model=str(head_dim_64), dtype="bfloat16", block_size=16)
+    llm = LLM(model=str(head_dim_64), dtype=dtype, block_size=16)
     engine, model = llm.engine, llm.engine.model
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
@@ -122,30 +131,32 @@ def test_a_shared_prefix_split_step_runs_per_layer_bit_for_bit(head_dim_64, monk
     assert torch.equal(got, model(batch.input_ids, batch.positions, kv, batch.meta))
     outs = {}
     for native_forward in (True, False):
-        fresh = LLM(model=str(head_dim_64), dtype="bfloat16", block_size=16)
+        fresh = LLM(model=str(head_dim_64), dtype=dtype, block_size=16)
         fresh.engine.model.use_native_forward = native_forward
         outs[native_forward] = [o.token_ids for o in fresh.generate(prompts, params)]
     assert outs[True] == outs[False]
 
 
-def test_only_decode_packed_bias_free_bf16_models_get_the_native_stack(tiny_llama, tmp_path):
+def test_only_kernel_packed_bias_free_models_get_the_native_stack(tiny_llama, tmp_path):
     bf16 = LLM(model=str(tiny_llama), dtype="bfloat16").engine.model
     assert (bf16.native_forward is not None) == (native.decode_linear_kind() is not None)
+    f32 = LLM(model=str(tiny_llama), dtype="float32").engine.model
+    assert (f32.native_forward is not None) == native.f32_linear_preferred()
     qwen2 = make_tiny_llama(tmp_path / "qwen2", model_type="qwen2")  # q/k/v biases
-    assert LLM(model=str(qwen2), dtype="bfloat16").engine.model.native_forward is None
-    assert LLM(model=str(tiny_llama), dtype="float32").engine.model.native_forward is None
+    for dtype in ("bfloat16", "float32"):
+        assert LLM(model=str(qwen2), dtype=dtype).engine.model.native_forward is None
     unpacked = LLM(model=str(tiny_llama), dtype="bfloat16", prepack_weights=False)
     assert unpacked.engine.model.native_forward is None
 
 
-@needs_decode_kernel
-def test_native_stack_generates_the_python_loops_tokens(tiny_llama):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_stack_generates_the_python_loops_tokens(dtype, tiny_llama):
     """Greedy generation, prefills and decodes of several lengths: token for token the Python
     loop over the same kernels, and the first tokens of the reference ops (F.linear / oneDNN,
     eager elementwise ops), as the fused path's own test checks."""
     prompts = [[5, 9, 200, 7] * k for k in (1, 5, 11)] + [[3, 1, 4, 1, 5, 9, 2, 6]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    llm = LLM(model=str(tiny_llama), dtype="bfloat16", max_num_batched_tokens=64)
+    llm = LLM(model=str(tiny_llama), dtype=dtype, max_num_batched_tokens=64)
     model = llm.engine.model
     assert model.native_forward is not None
     calls = []
