@@ -50,6 +50,10 @@ CASCADE_MIN_PAIRS = 16384
 # 1,024 prefix tokens, and a step that splits also leaves the one-call native stack
 # (docs/performance.md, item 29): the threshold is this many times CASCADE_MIN_PAIRS.
 ONE_PASS_CASCADE_FACTOR = 4
+# In float32 where decode steps take the one-call native stack (the float32 linear kernel runs,
+# ``native.f32_linear_preferred``), leaving it for the split costs more than the split saves
+# below about 64 sequences x 768 prefix tokens (docs/performance.md, item 33).
+F32_STACK_CASCADE_FACTOR = 3
 # Whole-prompt chunks batched into one SDPA call: the longest at most this many times the
 # shortest, so that padding costs less than the per-call overhead it saves (one call for 20
 # prompts of 100 tokens takes two thirds of 20 calls' time; docs/performance.md).
@@ -162,6 +166,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.cascade_factor = 1
         if dtype == torch.bfloat16 and native.bf16_decode_one_pass():
             self.cascade_factor = ONE_PASS_CASCADE_FACTOR
+        elif dtype == torch.float32 and native.f32_linear_preferred():
+            self.cascade_factor = F32_STACK_CASCADE_FACTOR
 
     def _on_native(self, pairs: int) -> bool:
         return self.native_max_pairs is None or pairs <= self.native_max_pairs

@@ -186,14 +186,22 @@ def _shared_decodes(seqs: int, prefix_blocks: int, block_size: int = 16) -> Atte
 
 @needs_kernel
 @pytest.mark.parametrize("one_pass", [False, True])
-def test_shared_prefix_split_threshold_where_bf16_decodes_take_one_pass(one_pass, monkeypatch):
+@pytest.mark.parametrize("f32_stack", [False, True])
+def test_shared_prefix_split_threshold_where_decodes_stay_one_native_call(
+    one_pass, f32_stack, monkeypatch
+):
     """Where bf16 decodes take the one-pass AVX512-BF16 kernel, a step of 64 decodes behind a
     512-token prefix stays one native call (cheaper than the split there); behind 2,048 tokens
-    it still splits. Elsewhere both split, and float32 splits on either CPU."""
+    it still splits. Likewise in float32 where the float32 kernel (and with it the one-call
+    stack) runs. Elsewhere both split."""
     monkeypatch.setattr(native, "bf16_decode_one_pass", lambda: one_pass)
+    monkeypatch.setattr(native, "f32_linear_preferred", lambda: f32_stack)
     bf16, f32 = CpuAttentionBackend(torch.bfloat16), CpuAttentionBackend(torch.float32)
-    for prefix_tokens, split_in_bf16 in ((512, not one_pass), (2048, True)):
-        for backend, splits in ((bf16, split_in_bf16), (f32, True)):
+    for prefix_tokens, split_in_bf16, split_in_f32 in (
+        (512, not one_pass, not f32_stack),
+        (2048, True, True),
+    ):
+        for backend, splits in ((bf16, split_in_bf16), (f32, split_in_f32)):
             meta = _shared_decodes(64, prefix_tokens // 16)
             backend.prepare(meta)
             expected = prefix_tokens if splits else 0
