@@ -379,8 +379,8 @@ def f32_kernel_wins(flags: frozenset[str], vendor: str) -> bool:
     """Whether the float32 kernel beats oneDNN's packed kernel on a CPU with these flags and
     this vendor, as measured (``python -m benchmarks.floors``, docs/performance.md): without
     AVX-512 (AVX2 + FMA: AMD Zen 2/3, Intel laptops), and on AMD's AVX-512 (Zen 4), where it
-    beat oneDNN at every row count measured, 1 to 2,048. On Intel's AVX-512 it has not been
-    measured against oneDNN, so oneDNN stays there."""
+    beat oneDNN at decode sizes (1-128 rows) and tied it at prefill sizes (512-2,048). On
+    Intel's AVX-512 it has not been measured against oneDNN, so oneDNN stays there."""
     return "avx512f" not in flags or vendor == "AuthenticAMD"
 
 
