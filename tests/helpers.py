@@ -1,10 +1,12 @@
-"""Shared test helpers: tiny random checkpoints made on the fly, and Python run in a child."""
+"""Shared test helpers: tiny random checkpoints made on the fly, a mixed engine step, and
+Python run in a child."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -162,3 +164,22 @@ def run_python(code: str, timeout: float = 120) -> str:
     )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
+
+
+def decodes_and_a_chunk(llm: Any) -> Any:
+    """The prepared inputs (``ModelRunner.prepare``'s batch) of a step of three decodes plus a
+    9-token prompt chunk, scheduled but not run: after three steps of greedy prompts of 5, 17 and
+    40 tokens, a late prompt joins them."""
+    from engine import SamplingParams
+    from engine.model_runner import ScheduledSeq
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for i, n in enumerate((5, 17, 40)):
+        engine.add_request(f"r{i}", [(7 * i + j) % 500 + 1 for j in range(n)], params)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("late", list(range(3, 12)), params)
+    out = engine.scheduler.schedule()
+    seqs = [ScheduledSeq(r, n, engine.kv.block_ids(r.request_id)) for r, n in out.scheduled]
+    return engine.runner.prepare(seqs)

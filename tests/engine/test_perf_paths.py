@@ -14,6 +14,7 @@ from engine import LLM, SamplingParams
 from engine.attention import select_backend
 from engine.cpuinfo import cpu_flags
 from engine.kernels import native
+from tests.helpers import decodes_and_a_chunk
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -496,21 +497,11 @@ def test_portable_kernels_match_reference(monkeypatch, tmp_path, march, tiny_lla
 def _f32_stack_matches_the_loop(model_dir) -> None:
     """A float32 step of decodes plus a short prompt chunk through the one-call stack, against
     the Python loop over the same kernels."""
-    from engine.model_runner import ScheduledSeq
-
     llm = LLM(model=str(model_dir), dtype="float32")
-    engine, model = llm.engine, llm.engine.model
+    model = llm.engine.model
     assert model.native_forward is not None
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    for i, n in enumerate((5, 17, 40)):
-        engine.add_request(f"r{i}", [(7 * i + j) % 500 + 1 for j in range(n)], params)
-    for _ in range(3):
-        engine.step()
-    engine.add_request("late", list(range(3, 12)), params)
-    out = engine.scheduler.schedule()
-    seqs = [ScheduledSeq(r, n, engine.kv.block_ids(r.request_id)) for r, n in out.scheduled]
-    batch = engine.runner.prepare(seqs)
-    kv = engine.runner.kv_caches
+    batch = decodes_and_a_chunk(llm)
+    kv = llm.engine.runner.kv_caches
     got = model.native_forward.run(batch.input_ids, batch.positions, kv, batch.meta)
     assert got is not None
     model.use_native_forward = False

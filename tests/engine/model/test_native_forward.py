@@ -10,7 +10,7 @@ from engine.attention.cpu_backend import CpuAttentionPlan
 from engine.kernels import native
 from engine.model.linear import decode_max_rows
 from engine.model_runner import ScheduledSeq
-from tests.helpers import make_tiny_llama
+from tests.helpers import decodes_and_a_chunk, make_tiny_llama
 
 needs_decode_kernel = pytest.mark.skipif(
     native.decode_linear_kind() is None,
@@ -49,17 +49,11 @@ def head_dim_64(tmp_path_factory: pytest.TempPathFactory):
 def test_native_stack_matches_the_python_loop_bit_for_bit(which, dtype, tiny_llama, head_dim_64):
     """A step of decodes plus a short prompt chunk (one native attention call per layer)."""
     llm = LLM(model=str(tiny_llama if which == "tiny" else head_dim_64), dtype=dtype)
-    engine, model = llm.engine, llm.engine.model
+    model = llm.engine.model
     assert model.native_forward is not None
-    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
-    for i, n in enumerate((5, 17, 40)):
-        engine.add_request(f"r{i}", [(7 * i + j) % 500 + 1 for j in range(n)], params)
-    for _ in range(3):
-        engine.step()
-    engine.add_request("late", list(range(3, 12)), params)
-    batch = _next_batch(llm)
+    batch = decodes_and_a_chunk(llm)
     assert batch.meta.num_decodes == 3 and batch.input_ids.shape[0] == 3 + 9
-    kv = engine.runner.kv_caches
+    kv = llm.engine.runner.kv_caches
     got = model.native_forward.run(batch.input_ids, batch.positions, kv, batch.meta)
     assert got is not None
     model.use_native_forward = False
