@@ -171,7 +171,6 @@ def decodes_and_a_chunk(llm: Any) -> Any:
     9-token prompt chunk, scheduled but not run: after three steps of greedy prompts of 5, 17 and
     40 tokens, a late prompt joins them."""
     from engine import SamplingParams
-    from engine.model_runner import ScheduledSeq
 
     engine = llm.engine
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
@@ -180,6 +179,14 @@ def decodes_and_a_chunk(llm: Any) -> Any:
     for _ in range(3):
         engine.step()
     engine.add_request("late", list(range(3, 12)), params)
+    return next_batch(llm)
+
+
+def next_batch(llm: Any) -> Any:
+    """The prepared inputs of the engine's next step, scheduled but not run."""
+    from engine.model_runner import ScheduledSeq
+
+    engine = llm.engine
     out = engine.scheduler.schedule()
     seqs = [ScheduledSeq(r, n, engine.kv.block_ids(r.request_id)) for r, n in out.scheduled]
     return engine.runner.prepare(seqs)

@@ -194,7 +194,6 @@ def load() -> ctypes.CDLL | None:
         final = getattr(lib, f"llama_final_norm_{suffix}")
         final.restype = None
         final.argtypes = [ptr, ptr, ptr, i64, ptr, i32]
-    for suffix in ("bf16", "f32"):
         norm = getattr(lib, f"add_rms_norm_{suffix}")
         norm.restype = None
         norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i32]

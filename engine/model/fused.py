@@ -18,17 +18,18 @@ import torch
 
 from engine.kernels import native
 
-_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# The native kernels' name suffix per dtype (``add_rms_norm_bf16``, ``llama_forward_f32``...).
+SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def enabled(x: torch.Tensor) -> bool:
-    return x.dtype in _SUFFIX and x.device.type == "cpu" and native.available()
+    return x.dtype in SUFFIX and x.device.type == "cpu" and native.available()
 
 
 def _kernel(name: str, x: torch.Tensor) -> Any:
     lib = native.load()
     assert lib is not None
-    return getattr(lib, f"{name}_{_SUFFIX[x.dtype]}")
+    return getattr(lib, f"{name}_{SUFFIX[x.dtype]}")
 
 
 def _rows(t: torch.Tensor) -> int:

@@ -40,6 +40,7 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.kernels import native
 from engine.model.config import ModelConfig
+from engine.model.fused import SUFFIX
 from engine.model.linear import PackedWeight, decode_max_rows
 
 
@@ -65,8 +66,6 @@ _PTRS = ctypes.POINTER(ctypes.c_void_p)
 # decode sizes one call saves little against the loop, which also runs the last layer's output
 # projection and MLP for the sampled rows only (``forward(keep=...)``): a prompt chunk stays there.
 F32_MAX_ROWS = 128
-# The C entry points' suffix per dtype (``llama_forward_bf16``, ``llama_forward_f32``...).
-SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def _packed(weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor | None:

@@ -9,8 +9,7 @@ from engine import LLM, SamplingParams
 from engine.attention.cpu_backend import CpuAttentionPlan
 from engine.kernels import native
 from engine.model.linear import decode_max_rows
-from engine.model_runner import ScheduledSeq
-from tests.helpers import decodes_and_a_chunk, make_tiny_llama
+from tests.helpers import decodes_and_a_chunk, make_tiny_llama, next_batch
 
 needs_decode_kernel = pytest.mark.skipif(
     native.decode_linear_kind() is None,
@@ -25,14 +24,6 @@ DTYPES = [
     pytest.param("bfloat16", marks=needs_decode_kernel),
     pytest.param("float32", marks=needs_f32_kernel),
 ]
-
-
-def _next_batch(llm: LLM):
-    """The inputs of the engine's next step, scheduled but not run."""
-    engine = llm.engine
-    out = engine.scheduler.schedule()
-    seqs = [ScheduledSeq(r, n, engine.kv.block_ids(r.request_id)) for r, n in out.scheduled]
-    return engine.runner.prepare(seqs)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +59,7 @@ def test_steps_the_native_stack_cannot_run_fall_back(tiny_llama):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     # More rows than the decode kernels take.
     engine.add_request("long", [i % 500 + 1 for i in range(200)], params)
-    batch = _next_batch(llm)
+    batch = next_batch(llm)
     assert batch.input_ids.shape[0] > decode_max_rows()
     kv = engine.runner.kv_caches
     assert model.native_forward.run(batch.input_ids, batch.positions, kv, batch.meta) is None
@@ -85,7 +76,7 @@ def test_a_prefill_chunk_runs_natively_either_way_bit_for_bit(tiny_llama):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     tokens = min(100, decode_max_rows())
     engine.add_request("mid", [i % 500 + 1 for i in range(tokens)], params)
-    batch = _next_batch(llm)
+    batch = next_batch(llm)
     assert batch.input_ids.shape[0] <= decode_max_rows()
     on_sdpa = bool(batch.meta.plan_as(CpuAttentionPlan).sdpa_seqs)
     assert on_sdpa != native.bf16_prefill_preferred()
@@ -114,7 +105,7 @@ def test_a_shared_prefix_split_step_runs_per_layer_bit_for_bit(dtype, head_dim_6
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
     engine.step()
-    batch = _next_batch(llm)
+    batch = next_batch(llm)
     assert batch.meta.num_decodes == len(prompts)
     assert batch.meta.plan_as(CpuAttentionPlan).shared_prefix_tokens == 48
     assert model.backend.native_step(batch.meta) is None
