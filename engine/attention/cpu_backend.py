@@ -20,7 +20,10 @@ and all queries come after them (many requests behind one system prompt, decodin
 the prefix is attended once for all query rows of the step, one SDPA call per layer over a
 single gathered copy, and the native kernel covers only each sequence's own keys (from position
 ``P * block_size``); the two halves are merged by their log-sum-exp. Taken only when it saves
-work: enough rows times prefix tokens to pay for the extra call.
+work: enough rows times prefix tokens to pay for the extra call. A run of consecutive sequences
+can split the same way while the rest of the step does not, where the run's prefill chunks
+would otherwise each take SDPA over a gathered copy of the prefix (a burst behind a new system
+prompt, whose leader computes the prefix in the same step: the followers' chunks read it).
 
 Selected by ``attention_backend="cpu"``, or by ``auto`` on CPU when the kernel builds; without a
 C compiler ``auto`` falls back to ``torch``.
@@ -121,17 +124,28 @@ def sdpa_batches(
 
 
 @dataclass
+class SharedPrefix:
+    """A run of consecutive sequences of a step, ``seqs[0] <= i < seqs[1]``, whose block tables
+    all start with the same ``tokens // block_size`` blocks (``blocks``: a slice of the cache
+    when their ids are consecutive, else an int64 index tensor), every query of the run coming
+    after them: the run's query rows ``rows[0]:rows[1]`` attend to the prefix in one SDPA call,
+    and ``own`` is the native call over each sequence's keys from position ``tokens`` on."""
+
+    seqs: tuple[int, int]
+    rows: tuple[int, int]
+    tokens: int
+    blocks: slice | torch.Tensor
+    own: NativeSeqs
+
+
+@dataclass
 class CpuAttentionPlan(AttentionPlan):
     """How the CPU backend splits one step between the native kernel and SDPA.
 
-    Every sequence of the step is in exactly one of ``native_seqs`` (one native call over those
-    sequences, in step order; None when there is none), ``sdpa_batches`` (whole-prompt chunks,
-    one SDPA call per batch) and ``sdpa_seqs`` (sorted indices into the step's sequences, one
-    SDPA call each). ``shared_prefix_tokens`` is 0, or a positive
-    multiple of ``block_size`` that every sequence's block table starts with and every query
-    comes after; then ``sdpa_seqs`` is empty, ``native_seqs`` covers the whole step (from
-    position ``shared_prefix_tokens``) and ``shared_prefix_blocks`` names the prefix's blocks
-    of the cache (a slice when their ids are consecutive, else an int64 index tensor).
+    Every sequence of the step is in exactly one of ``shared`` (its run of sequences),
+    ``native_seqs`` (one native call over those sequences, in step order; None when there is
+    none), ``sdpa_batches`` (whole-prompt chunks, one SDPA call per batch) and ``sdpa_seqs``
+    (sorted indices into the step's sequences, one SDPA call each).
     ``reference`` is the reference backend's plan, made by the first layer of a step the native
     kernel cannot run (float16) and reused by the others; None until then.
     """
@@ -139,9 +153,12 @@ class CpuAttentionPlan(AttentionPlan):
     native_seqs: NativeSeqs | None
     sdpa_seqs: list[int]
     sdpa_batches: list[SdpaBatch] = field(default_factory=list)
-    shared_prefix_tokens: int = 0
-    shared_prefix_blocks: slice | torch.Tensor | None = None
+    shared: SharedPrefix | None = None
     reference: TorchAttentionPlan | None = None
+
+    @property
+    def shared_prefix_tokens(self) -> int:
+        return self.shared.tokens if self.shared is not None else 0
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -160,8 +177,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.native_max_pairs: int | None = NATIVE_MAX_PAIRS
         # Whole prompts of similar lengths share one SDPA call (off: a call each).
         self.batch_whole_prompts = True
+        # Whether prefill chunks join a shared-prefix split (else only decodes do).
+        self.split_chunks = True
         if dtype == torch.bfloat16 and native.bf16_prefill_preferred():
             self.native_max_pairs = None
+            # The kernel's tiles attend a chunk faster than the split's SDPA call would.
+            self.split_chunks = False
         # CASCADE_MIN_PAIRS is read at each step (tests lower it): this scales it.
         self.cascade_factor = 1
         if dtype == torch.bfloat16 and native.bf16_decode_one_pass():
@@ -175,42 +196,23 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         qsl, lens = meta.query_start_loc_list, meta.seq_lens_list
         qlens = [qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)]
-        prefix = self._shared_prefix_tokens(meta, qlens)
-        if prefix and not all(
-            self._on_native(_pairs(q, n - prefix)) for q, n in zip(qlens, lens, strict=True)
-        ):
-            prefix = 0  # some chunk is long: its own keys would be slow in the native kernel
+        shared = self._shared_prefix(meta, qlens)
+        in_run = range(*shared.seqs) if shared is not None else range(0)
         on_native = [
             i
             for i in range(meta.num_seqs)
-            if qlens[i] == 1 or self._on_native(_pairs(qlens[i], lens[i] - prefix))
+            if i not in in_run and (qlens[i] == 1 or self._on_native(_pairs(qlens[i], lens[i])))
         ]
-        to_sdpa = sorted(set(range(meta.num_seqs)) - set(on_native))
+        to_sdpa = sorted(set(range(meta.num_seqs)) - set(on_native) - set(in_run))
         batches, alone = (
             sdpa_batches(to_sdpa, qsl, qlens, lens) if self.batch_whole_prompts else ([], to_sdpa)
         )
-        plan = CpuAttentionPlan(
-            native_seqs=None, sdpa_seqs=alone, sdpa_batches=batches, shared_prefix_tokens=prefix
+        meta.plan = CpuAttentionPlan(
+            native_seqs=_native_seqs(meta, on_native, qlens),
+            sdpa_seqs=alone,
+            sdpa_batches=batches,
+            shared=shared,
         )
-        if prefix:
-            blocks = meta.block_tables[0, : prefix // meta.block_size]
-            first = int(blocks[0])
-            if torch.equal(blocks, torch.arange(first, first + len(blocks))):
-                # Consecutive ids (one allocation): read the cache in place, no gather.
-                plan.shared_prefix_blocks = slice(first, first + len(blocks))
-            else:
-                plan.shared_prefix_blocks = blocks.contiguous()
-        if on_native:
-            idx = torch.tensor(on_native, dtype=torch.int64)
-            whole = len(on_native) == meta.num_seqs
-            starts = torch.tensor(qsl[:-1], dtype=torch.int64)
-            plan.native_seqs = NativeSeqs(
-                meta.block_tables.contiguous() if whole else meta.block_tables[idx].contiguous(),
-                meta.seq_lens.contiguous() if whole else meta.seq_lens[idx].contiguous(),
-                starts if whole else starts[idx].contiguous(),
-                torch.tensor([qlens[i] for i in on_native], dtype=torch.int64),
-            )
-        meta.plan = plan
 
     def reference_plan(self, meta: AttentionMetadata) -> TorchAttentionPlan:
         plan = meta.plan_as(CpuAttentionPlan)
@@ -220,7 +222,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def native_step(self, meta: AttentionMetadata) -> NativeSeqs | None:
         plan = meta.plan_as(CpuAttentionPlan)
-        if plan.shared_prefix_tokens or plan.sdpa_seqs or plan.sdpa_batches:
+        if plan.shared is not None or plan.sdpa_seqs or plan.sdpa_batches:
             return None
         return plan.native_seqs
 
@@ -235,21 +237,71 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if not native.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping):
             TorchAttentionBackend.write_kv(k, v, k_cache, v_cache, meta)
 
-    def _shared_prefix_tokens(self, meta: AttentionMetadata, qlens: list[int]) -> int:
-        """Tokens of the longest run of leading blocks that every sequence of the step shares and
-        that precedes all of its queries, if the split pays for itself; else 0."""
-        if meta.num_seqs < 2:
-            return 0
+    def _shared_prefix(self, meta: AttentionMetadata, qlens: list[int]) -> SharedPrefix | None:
+        """The step's shared-prefix split, if one pays for itself: over the run of consecutive
+        sequences behind one first block with the most rows times prefix tokens (the whole step
+        when all share it). Without ``split_chunks`` only decodes join a run."""
+        n = meta.num_seqs
+        if n < 2:
+            return None
+        bs, qsl = meta.block_size, meta.query_start_loc_list
+        # Whole blocks before each sequence's first query; 0 where it may not join a run.
+        ahead = [
+            (ctx - q) // bs if q == 1 or self.split_chunks else 0
+            for ctx, q in zip(meta.seq_lens_list, qlens, strict=True)
+        ]
+        firsts = meta.block_tables[:, 0].tolist()
+        best: tuple[int, int, int] | None = None
+        a = 0
+        while a < n:
+            b = a + 1
+            while ahead[a] and b < n and ahead[b] and firsts[b] == firsts[a]:
+                b += 1
+            if b - a >= 2:
+                tokens = self._run_prefix(meta, a, b, qlens, ahead)
+                pairs = tokens * (qsl[b] - qsl[a])
+                if tokens and (best is None or pairs > best[2] * (qsl[best[1]] - qsl[best[0]])):
+                    best = (a, b, tokens)
+            a = b
+        return self._shared(meta, *best, qlens) if best is not None else None
+
+    def _run_prefix(
+        self, meta: AttentionMetadata, a: int, b: int, qlens: list[int], ahead: list[int]
+    ) -> int:
+        """Tokens of the longest run of leading blocks that sequences ``a`` to ``b - 1`` all
+        share and that precede all their queries, if splitting there pays for itself (enough
+        rows times prefix tokens, and every sequence's own keys short enough for the native
+        kernel); else 0."""
         bs = meta.block_size
         min_pairs = CASCADE_MIN_PAIRS * self.cascade_factor
-        limit = min(n - q for n, q in zip(meta.seq_lens_list, qlens, strict=True)) // bs
-        if limit * bs * meta.num_tokens < min_pairs:
+        rows = meta.query_start_loc_list[b] - meta.query_start_loc_list[a]
+        limit = min(ahead[a:b])
+        if limit * bs * rows < min_pairs:
             return 0
-        tables = meta.block_tables[:, :limit]
+        tables = meta.block_tables[a:b, :limit]
         same = (tables == tables[:1]).all(dim=0)
-        blocks = limit if bool(same.all()) else int(same.to(torch.int8).argmin())
-        tokens = blocks * bs
-        return tokens if tokens * meta.num_tokens >= min_pairs else 0
+        tokens = bs * (limit if bool(same.all()) else int(same.to(torch.int8).argmin()))
+        if tokens * rows < min_pairs:
+            return 0
+        lens = meta.seq_lens_list
+        if not all(self._on_native(_pairs(qlens[i], lens[i] - tokens)) for i in range(a, b)):
+            return 0  # some chunk is long: its own keys would be slow in the native kernel
+        return tokens
+
+    @staticmethod
+    def _shared(
+        meta: AttentionMetadata, a: int, b: int, tokens: int, qlens: list[int]
+    ) -> SharedPrefix:
+        blocks = meta.block_tables[a, : tokens // meta.block_size]
+        first = int(blocks[0])
+        cached: slice | torch.Tensor = blocks.contiguous()
+        if torch.equal(blocks, torch.arange(first, first + len(blocks))):
+            # Consecutive ids (one allocation): read the cache in place, no gather.
+            cached = slice(first, first + len(blocks))
+        own = _native_seqs(meta, list(range(a, b)), qlens)
+        assert own is not None
+        qsl = meta.query_start_loc_list
+        return SharedPrefix((a, b), (qsl[a], qsl[b]), tokens, cached, own)
 
     def forward(
         self,
@@ -270,19 +322,26 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # (the invariant in AttentionBackend).
         self.write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
-        prefix = plan.shared_prefix_tokens
-        seqs = plan.native_seqs
-        if prefix:
-            assert seqs is not None and plan.shared_prefix_blocks is not None
+        shared = plan.shared
+        if shared is not None:
             part = torch.empty_like(q)
             part_lse = torch.empty(q.shape[:2], dtype=torch.float32)
             native.paged_attention(
-                q, k_cache, v_cache, *seqs, part, scale, kv_start=prefix, lse=part_lse
+                q, k_cache, v_cache, *shared.own, part, scale, kv_start=shared.tokens, lse=part_lse
             )
-            blocks = plan.shared_prefix_blocks
-            self._merge_shared_prefix(q, k_cache, v_cache, blocks, scale, part, part_lse, out)
-        elif seqs is not None:
-            native.paged_attention(q, k_cache, v_cache, *seqs, out, scale)
+            r0, r1 = shared.rows
+            self._merge_shared_prefix(
+                q[r0:r1],
+                k_cache,
+                v_cache,
+                shared.blocks,
+                scale,
+                part[r0:r1],
+                part_lse[r0:r1],
+                out[r0:r1],
+            )
+        if plan.native_seqs is not None:
+            native.paged_attention(q, k_cache, v_cache, *plan.native_seqs, out, scale)
         for batch in plan.sdpa_batches:
             self.prefill_batch(q, k, v, scale, out, batch)
         for i in plan.sdpa_seqs:
@@ -334,7 +393,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> None:
         """Attend every query row to the shared prefix in one SDPA call and merge with ``part``
         (the rows' attention over their own keys) into ``out``; ``blocks``: the prefix's cache
-        blocks (``CpuAttentionPlan.shared_prefix_blocks``)."""
+        blocks (``SharedPrefix.blocks``)."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
@@ -355,3 +414,31 @@ class CpuAttentionBackend(TorchAttentionBackend):
             part_lse,
             out,
         )
+
+
+def _native_seqs(meta: AttentionMetadata, seqs: list[int], qlens: list[int]) -> NativeSeqs | None:
+    """The native call's arguments over ``seqs`` (indices into the step's sequences, in step
+    order); None for none."""
+    if not seqs:
+        return None
+    starts = torch.tensor(meta.query_start_loc_list[:-1], dtype=torch.int64)
+    lengths = torch.tensor([qlens[i] for i in seqs], dtype=torch.int64)
+    if len(seqs) == meta.num_seqs:
+        return NativeSeqs(
+            meta.block_tables.contiguous(), meta.seq_lens.contiguous(), starts, lengths
+        )
+    if seqs == list(range(seqs[0], seqs[-1] + 1)):
+        a, b = seqs[0], seqs[-1] + 1
+        return NativeSeqs(
+            meta.block_tables[a:b].contiguous(),
+            meta.seq_lens[a:b].contiguous(),
+            starts[a:b].contiguous(),
+            lengths,
+        )
+    idx = torch.tensor(seqs, dtype=torch.int64)
+    return NativeSeqs(
+        meta.block_tables[idx].contiguous(),
+        meta.seq_lens[idx].contiguous(),
+        starts[idx].contiguous(),
+        lengths,
+    )

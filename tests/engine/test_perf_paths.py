@@ -225,24 +225,35 @@ def test_native_kv_write_matches_index_copy(dtype):
     assert not native.write_kv_cache(k.transpose(0, 1), v, caches[0], caches[1], slots)
 
 
+# (context lengths, query lengths, the sequences behind the shared prefix, the run split).
+SPLIT_LAYOUTS = {
+    # Every sequence behind the prefix: the whole step splits.
+    "whole": ([40, 33, 57, 35], [1, 1, 9, 3], [0, 1, 2, 3], (0, 4)),
+    # A fresh prompt between two runs behind the prefix: the run of more rows splits, the rest
+    # attends unsplit.
+    "run": ([40, 33, 20, 57, 35], [1, 1, 20, 9, 3], [0, 1, 3, 4], (3, 5)),
+}
+
+
 @needs_compiler
+@pytest.mark.parametrize("layout", SPLIT_LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_shared_prefix_split_matches_reference(dtype, monkeypatch):
-    """Every sequence behind the same 4 cached blocks: the backend attends the prefix once (SDPA)
-    and merges it with the kernel's pass over each sequence's own keys."""
+def test_shared_prefix_split_matches_reference(dtype, layout, monkeypatch):
+    """Sequences behind the same 4 cached blocks: the backend attends the prefix once (SDPA) for
+    their run and merges it with the kernel's pass over each sequence's own keys."""
     from engine.attention import cpu_backend
     from engine.attention.base import AttentionMetadata
 
     monkeypatch.setattr(cpu_backend, "CASCADE_MIN_PAIRS", 1)
     bs, heads, kv_heads, head_dim = 8, 6, 2, 64
     prefix_blocks = 4
-    lens, qlens = [40, 33, 57, 35], [1, 1, 9, 3]
+    lens, qlens, sharing, run = SPLIT_LAYOUTS[layout]
     q, k_cache, v_cache, tables = _random_batch(dtype, heads, kv_heads, head_dim, bs, lens, qlens)
-    tables[:, :prefix_blocks] = tables[0, :prefix_blocks]
+    tables[sharing, :prefix_blocks] = tables[sharing[0], :prefix_blocks]
     qsl = [0, *torch.tensor(qlens).cumsum(0).tolist()]
     meta = AttentionMetadata(
         num_tokens=sum(qlens),
-        num_decodes=2,
+        num_decodes=sum(n == 1 for n in qlens),
         block_size=bs,
         slot_mapping=torch.zeros(0, dtype=torch.int64),
         query_start_loc=torch.tensor(qsl),
@@ -255,7 +266,8 @@ def test_shared_prefix_split_matches_reference(dtype, monkeypatch):
     )
     backend = cpu_backend.CpuAttentionBackend()
     backend.prepare(meta)
-    assert meta.plan_as(cpu_backend.CpuAttentionPlan).shared_prefix_tokens == prefix_blocks * bs
+    shared = meta.plan_as(cpu_backend.CpuAttentionPlan).shared
+    assert shared is not None and shared.tokens == prefix_blocks * bs and shared.seqs == run
     # The step's new K/V are already in the cache here: write nothing.
     backend.write_kv = lambda *args: None
     empty = torch.empty(0, kv_heads, head_dim, dtype=dtype)

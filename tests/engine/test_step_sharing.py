@@ -101,6 +101,7 @@ def force_path(engine: LLMEngine, path: str, monkeypatch: pytest.MonkeyPatch) ->
     elif path == "sdpa":
         backend.native_max_pairs = 0  # every chunk of more than one token in SDPA
     if path == "cascade":
+        backend.split_chunks = True  # chunks join the split in bf16 too
         monkeypatch.setattr(cpu_backend, "CASCADE_MIN_PAIRS", 1)
 
 

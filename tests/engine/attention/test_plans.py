@@ -207,3 +207,57 @@ def test_shared_prefix_split_threshold_where_decodes_stay_one_native_call(
             expected = prefix_tokens if splits else 0
             assert meta.plan_as(CpuAttentionPlan).shared_prefix_tokens == expected
             assert (backend.native_step(meta) is not None) == (not splits)
+
+
+def _burst(
+    prefix_blocks: int, followers: int, suffix: int, decodes: int = 0, cached: bool = False
+) -> AttentionMetadata:
+    """``decodes`` decodes, then a leader and ``followers`` chunks of ``suffix`` tokens behind one
+    ``prefix_blocks``-block prefix (block size 16), which the leader computes in this step
+    (the step of a burst behind a new system prompt) unless ``cached``. The decodes sit behind
+    the same prefix."""
+    prefix = prefix_blocks * 16
+    lens = [prefix + 1] * decodes + [prefix + suffix] * (1 + followers)
+    qlens = [1] * decodes + [suffix + (0 if cached else prefix)] + [suffix] * followers
+    meta = _layout(16, lens, qlens)
+    meta.block_tables[:, :prefix_blocks] = meta.block_tables[decodes, :prefix_blocks].clone()
+    return meta
+
+
+@needs_kernel
+def test_a_burst_behind_a_new_prefix_splits_its_followers_run(monkeypatch):
+    """Float32: the followers' chunks (each past the native kernel's pairs) attend the leader's
+    prefix in one split; the leader, whose queries are the prefix, attends unsplit."""
+    monkeypatch.setattr(native, "f32_linear_preferred", lambda: True)
+    backend = CpuAttentionBackend(torch.float32)
+    meta = _burst(prefix_blocks=32, followers=47, suffix=32)
+    backend.prepare(meta)
+    plan = meta.plan_as(CpuAttentionPlan)
+    assert plan.shared is not None
+    assert plan.shared.seqs == (1, 48) and plan.shared.tokens == 512
+    assert plan.shared.rows == (544, meta.num_tokens)
+    assert plan.shared.own.query_len.tolist() == [32] * 47
+    assert plan.sdpa_seqs == [0] and plan.native_seqs is None
+    assert backend.native_step(meta) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("prefix_blocks, splits", [(32, False), (128, True)])
+def test_without_split_chunks_only_decodes_join_the_split(prefix_blocks, splits, monkeypatch):
+    """bf16 where the kernel's tiles take every chunk: 48 decodes and a burst behind one prefix
+    split the decodes' run only (when it pays: 48 x 2,048 prefix tokens, not 48 x 512); the
+    chunks stay in the native call."""
+    monkeypatch.setattr(native, "bf16_prefill_preferred", lambda: True)
+    monkeypatch.setattr(native, "bf16_decode_one_pass", lambda: True)
+    backend = CpuAttentionBackend(torch.bfloat16)
+    assert not backend.split_chunks
+    meta = _burst(prefix_blocks, followers=15, suffix=32, decodes=48, cached=True)
+    backend.prepare(meta)
+    plan = meta.plan_as(CpuAttentionPlan)
+    if splits:
+        assert plan.shared is not None and plan.shared.seqs == (0, 48)
+        assert plan.native_seqs is not None and plan.native_seqs.query_len.tolist() == [32] * 16
+    else:
+        assert plan.shared is None
+        assert plan.native_seqs is not None and len(plan.native_seqs.query_len) == 64
+    assert plan.sdpa_seqs == [] and plan.sdpa_batches == []
