@@ -21,9 +21,10 @@ the prefix is attended once for all query rows of the step, one SDPA call per la
 single gathered copy, and the native kernel covers only each sequence's own keys (from position
 ``P * block_size``); the two halves are merged by their log-sum-exp. Taken only when it saves
 work: enough rows times prefix tokens to pay for the extra call. A run of consecutive sequences
-can split the same way while the rest of the step does not, where the run's prefill chunks
-would otherwise each take SDPA over a gathered copy of the prefix (a burst behind a new system
-prompt, whose leader computes the prefix in the same step: the followers' chunks read it).
+can split the same way while the rest of the step does not: a burst behind a new system prompt,
+whose leader computes the prefix in the same step and whose followers' chunks read it, would
+otherwise take an SDPA call per follower over a gathered copy of the prefix. Where the kernel's
+bf16 tiles take every prefill chunk, only decodes join a split (the tiles beat its SDPA call).
 
 Selected by ``attention_backend="cpu"``, or by ``auto`` on CPU when the kernel builds; without a
 C compiler ``auto`` falls back to ``torch``.
