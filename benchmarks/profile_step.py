@@ -59,6 +59,15 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False, **extra)
     engine = llm.engine
     engine.model.use_fused = not args.no_fused
+    # Every sequence stays running through the timed steps: their blocks must fit together, or
+    # the waiting ones never start and the prefill loop below never ends.
+    kv = engine.kv
+    per_seq = -(-(args.context + 2 * args.steps + 3) // kv.block_size)
+    if args.batch * per_seq > kv.num_blocks:
+        ap.error(
+            f"{args.batch} sequences of {args.context} tokens need {args.batch * per_seq} KV "
+            f"blocks, the cache has {kv.num_blocks}: raise --engine-opt kv_cache_memory_gb=..."
+        )
     rng = random.Random(0)
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     for i in range(args.batch):
