@@ -252,19 +252,21 @@ class CpuAttentionBackend(TorchAttentionBackend):
             for ctx, q in zip(meta.seq_lens_list, qlens, strict=True)
         ]
         firsts = meta.block_tables[:, 0].tolist()
-        best: tuple[int, int, int] | None = None
+        # (prefix pairs, first sequence, end, prefix tokens) of each run that would split.
+        runs: list[tuple[int, int, int, int]] = []
         a = 0
         while a < n:
             b = a + 1
             while ahead[a] and b < n and ahead[b] and firsts[b] == firsts[a]:
                 b += 1
-            if b - a >= 2:
-                tokens = self._run_prefix(meta, a, b, qlens, ahead)
-                pairs = tokens * (qsl[b] - qsl[a])
-                if tokens and (best is None or pairs > best[2] * (qsl[best[1]] - qsl[best[0]])):
-                    best = (a, b, tokens)
+            tokens = self._run_prefix(meta, a, b, qlens, ahead) if b - a >= 2 else 0
+            if tokens:
+                runs.append((tokens * (qsl[b] - qsl[a]), a, b, tokens))
             a = b
-        return self._shared(meta, *best, qlens) if best is not None else None
+        if not runs:
+            return None
+        _, a, b, tokens = max(runs, key=lambda run: run[0])  # the first of equals
+        return self._shared(meta, a, b, tokens, qlens)
 
     def _run_prefix(
         self, meta: AttentionMetadata, a: int, b: int, qlens: list[int], ahead: list[int]
@@ -427,14 +429,6 @@ def _native_seqs(meta: AttentionMetadata, seqs: list[int], qlens: list[int]) -> 
     if len(seqs) == meta.num_seqs:
         return NativeSeqs(
             meta.block_tables.contiguous(), meta.seq_lens.contiguous(), starts, lengths
-        )
-    if seqs == list(range(seqs[0], seqs[-1] + 1)):
-        a, b = seqs[0], seqs[-1] + 1
-        return NativeSeqs(
-            meta.block_tables[a:b].contiguous(),
-            meta.seq_lens[a:b].contiguous(),
-            starts[a:b].contiguous(),
-            lengths,
         )
     idx = torch.tensor(seqs, dtype=torch.int64)
     return NativeSeqs(
