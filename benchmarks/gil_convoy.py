@@ -6,8 +6,8 @@
 Loads the engine (bf16 by default, prefix caching off), then for each interval
 (``sys.setswitchinterval``), first with no other thread and then with a thread that runs pure
 Python without pause (the stand-in for an event loop or worker thread busy in Python), times a
-prefill step of 20 prompts of 100 tokens and a decode step of 32 sequences (``t(17) - t(1)``
-over 16 steps). Prints one line per setting with the medians over the rounds. Not a throughput
+prefill step of 20 prompts of 100 tokens and a decode step of 32 sequences (the median of 16
+steps, each timed on its own). Prints one line per setting with the medians over the rounds. Not a throughput
 figure: the spinning thread also takes a core from the engine's two OpenMP threads, which no
 interval changes (docs/performance.md, "The GIL hand-off").
 """
@@ -45,6 +45,21 @@ def main(argv: list[str] | None = None) -> None:
         llm.generate(batch, params)
         return time.perf_counter() - start
 
+    def decode_step(batch: list[list[int]], steps: int = 16) -> float:
+        """The median of ``steps`` decode steps, each timed alone after the batch's prefill
+        (timing each step keeps the figure positive whatever the machine's load)."""
+        engine = llm.engine
+        params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+        for i, ids in enumerate(batch):
+            engine.add_request(f"decode-{i}", ids, params)
+        engine.step()  # the prefill (and first token) of every sequence
+        times = []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
     timed(prompts(4, 100), 1)
     spinning = threading.Event()
 
@@ -65,12 +80,7 @@ def main(argv: list[str] | None = None) -> None:
             prefill, decode = [], []
             for _ in range(args.rounds):
                 prefill.append(timed(prompts(20, 100), 1))
-                batch = prompts(32, 16)
-                # A decode step: 17 steps less the first one's best time over three tries
-                # (one try of each, under the spinning thread's hand-offs, could even come out
-                # negative).
-                first = min(timed(batch, 1) for _ in range(3))
-                decode.append((timed(batch, 17) - first) / 16)
+                decode.append(decode_step(prompts(32, 16)))
             print(
                 f"{'spinning' if busy else 'none':>13} {interval_ms:>6.1f} ms "
                 f"{statistics.median(prefill) * 1000:>12.1f} ms "
