@@ -7,9 +7,9 @@ Loads the engine (bf16 by default, prefix caching off), then for each interval
 (``sys.setswitchinterval``), first with no other thread and then with a thread that runs pure
 Python without pause (the stand-in for an event loop or worker thread busy in Python), times a
 prefill step of 20 prompts of 100 tokens and a decode step of 32 sequences (the median of 16
-steps, each timed on its own). Prints one line per setting with the medians over the rounds. Not a throughput
-figure: the spinning thread also takes a core from the engine's two OpenMP threads, which no
-interval changes (docs/performance.md, "The GIL hand-off").
+steps, each timed on its own). Prints one line per setting with the medians over the rounds.
+Not a throughput figure: the spinning thread also takes a core from the engine's two OpenMP
+threads, which no interval changes (docs/performance.md, "The GIL hand-off").
 """
 
 from __future__ import annotations
