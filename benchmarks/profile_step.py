@@ -34,6 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.offline import parse_engine_opts
 from engine import LLM, LLMEngine, SamplingParams
+from engine.kv_cache_manager import cdiv
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,10 +60,12 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False, **extra)
     engine = llm.engine
     engine.model.use_fused = not args.no_fused
-    # Every sequence stays running through the timed steps: their blocks must fit together, or
-    # the waiting ones never start and the prefill loop below never ends.
+    # Every sequence stays running through every step below (the prefill's token, 3 warm-up
+    # steps, then ``--steps`` timed, for the breakdown and for the profiler each): their blocks
+    # must fit together, or the waiting ones never start and the prefill loop never ends.
     kv = engine.kv
-    per_seq = -(-(args.context + 2 * args.steps + 3) // kv.block_size)
+    decode_steps = 4 + args.steps * (1 + (not args.no_breakdown) + (not args.no_profile))
+    per_seq = cdiv(args.context + decode_steps, kv.block_size)
     if args.batch * per_seq > kv.num_blocks:
         ap.error(
             f"{args.batch} sequences of {args.context} tokens need {args.batch * per_seq} KV "
