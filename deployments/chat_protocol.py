@@ -64,6 +64,26 @@ class ChatMessage(BaseModel):
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        # Checked before the union: a part pydantic cannot take (an image, audio) would be
+        # reported on the union's first branch ("content.str: Input should be a valid string"),
+        # which names neither the part nor what is wrong with it.
+        if not isinstance(value, list):
+            return value
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                what = f"has type {kind!r}" if isinstance(kind, str) else "is not a text part"
+                raise ValueError(
+                    f"content part {i} {what}: this model takes text only, as a string or "
+                    'parts of {"type": "text", "text": ...}'
+                )
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i}: text must be a string")
+        return value
+
     @model_validator(mode="after")
     def _bounded(self) -> ChatMessage:
         # Checked after parsing: on a union, a field constraint's error would follow the other

@@ -217,6 +217,30 @@ def test_messages_are_bounded_in_count_and_size(validator: RequestValidator) -> 
         assert f"at most {MAX_MESSAGE_CHARS} per message" in error["message"]
 
 
+@pytest.mark.parametrize(
+    ("part", "words"),
+    [
+        ({"type": "image_url", "image_url": {"url": "http://x/a.png"}}, "has type 'image_url'"),
+        ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "'input_audio'"),
+        ("just a string", "is not a text part"),
+        ({"text": "no type"}, "is not a text part"),
+        ({"type": "text", "text": 5}, "text must be a string"),
+        ({"type": "text"}, "text must be a string"),
+    ],
+)
+def test_a_part_the_model_cannot_take_is_named(
+    validator: RequestValidator, part: object, words: str
+) -> None:
+    """Not the union's first branch ("content.str: Input should be a valid string"): the
+    message says which part of which message, and what is wrong with it."""
+    content = [{"type": "text", "text": "Describe this:"}, part]
+    error = refusal(validator.chat, chat(messages=[{"role": "user", "content": content}]))
+    assert error["param"] == "messages"
+    assert error["message"].startswith("messages.0.content: content part 1"), error["message"]
+    assert words in error["message"], error["message"]
+    assert "valid string" not in error["message"]
+
+
 def test_huge_seed_gets_a_range_message(validator: RequestValidator) -> None:
     for call, body in ((validator.completion, completion), (validator.chat, chat)):
         error = refusal(call, body(seed=2**70))
