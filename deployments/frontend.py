@@ -297,8 +297,9 @@ def openai_routes() -> tuple[FastAPI, type]:
     # and answered by this process alone, with no call to any other actor, so that a slow
     # registry or a replica starting elsewhere never fails it; whether the application can
     # serve is /health's job (readiness). Named /ping because vLLM serves its unauthenticated
-    # liveness check there, so probes written for a vLLM server work here unchanged.
-    @app.get("/ping")
+    # liveness check there (GET, and POST as SageMaker's probes send it), so probes written for
+    # a vLLM server work here unchanged.
+    @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> JSONResponse:
         return JSONResponse({"status": "alive"})
 

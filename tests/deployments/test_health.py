@@ -221,11 +221,14 @@ def test_without_a_key_health_and_metrics_are_open(serve_routes: Any) -> None:
     assert client.get("/metrics").status_code == 200
 
 
+@pytest.mark.parametrize("method", ["GET", "POST"])
 @pytest.mark.parametrize("api_key", [KEY, None])
-def test_ping_is_open_and_answers_from_the_process_alone(serve_routes: Any, api_key: Any) -> None:
+def test_ping_is_open_and_answers_from_the_process_alone(
+    serve_routes: Any, api_key: Any, method: str
+) -> None:
     compute = Computations(RuntimeError(SECRET))  # the cluster cannot even be asked
     client = serve_routes(frontend(api_key, compute))
-    r = client.get("/ping")
+    r = client.request(method, "/ping")
     assert r.status_code == 200 and r.json() == {"status": "alive"}
     assert compute.calls == 0
 
