@@ -53,6 +53,14 @@ class TextPart(BaseModel):
     text: str
 
 
+def _refusal_as_text(part: Any) -> Any:
+    """An assistant's ``{"type": "refusal", "refusal": s}`` part as ``{"type": "text", "text":
+    s}``; anything else unchanged."""
+    if isinstance(part, dict) and part.get("type") == "refusal" and "refusal" in part:
+        return {"type": "text", "text": part["refusal"]}
+    return part
+
+
 class ChatMessage(BaseModel):
     """At most ``MAX_MESSAGE_CHARS`` characters of content, in at most ``MAX_CONTENT_PARTS``
     parts."""
@@ -66,12 +74,16 @@ class ChatMessage(BaseModel):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, value: Any) -> Any:
+    def _text_parts_only(cls, value: Any, info: ValidationInfo) -> Any:
         # Checked before the union: a part pydantic cannot take (an image, audio) would be
         # reported on the union's first branch ("content.str: Input should be a valid string"),
         # which names neither the part nor what is wrong with it.
         if not isinstance(value, list):
             return value
+        if info.data.get("role") == "assistant":
+            # OpenAI's schema lets an assistant turn replayed by a client carry its refusal as
+            # a part of its own; the template sees its text like any other.
+            value = [_refusal_as_text(part) for part in value]
         for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text":

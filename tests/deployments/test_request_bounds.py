@@ -241,6 +241,24 @@ def test_a_part_the_model_cannot_take_is_named(
     assert "valid string" not in error["message"]
 
 
+def test_an_assistant_turn_may_carry_its_refusal_as_a_part(validator: RequestValidator) -> None:
+    """OpenAI's schema: an assistant message replayed by the client may hold a refusal part; the
+    template reads its text. Other roles have no such part."""
+    refusal_part = {"type": "refusal", "refusal": "I can't help with that."}
+    turns = [
+        {"role": "user", "content": "Do something bad."},
+        {"role": "assistant", "content": [{"type": "text", "text": "Sorry. "}, refusal_part]},
+        {"role": "user", "content": "Then say hi."},
+    ]
+    request = ChatCompletionRequest.model_validate(chat(messages=turns))
+    assert request.messages[1].text() == "Sorry. I can't help with that."
+    assert isinstance(validator.chat(chat(messages=turns)), GenerationJob)
+
+    user_refusal = [{"role": "user", "content": [refusal_part]}]
+    error = refusal(validator.chat, chat(messages=user_refusal))
+    assert error["message"].startswith("messages.0.content: content part 0 has type 'refusal'")
+
+
 def test_huge_seed_gets_a_range_message(validator: RequestValidator) -> None:
     for call, body in ((validator.completion, completion), (validator.chat, chat)):
         error = refusal(call, body(seed=2**70))
