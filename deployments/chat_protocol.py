@@ -53,17 +53,16 @@ class TextPart(BaseModel):
     text: str
 
 
-def _refusal_as_text(part: Any) -> Any:
-    """An assistant's ``{"type": "refusal", "refusal": s}`` part as ``{"type": "text", "text":
-    s}``; anything else unchanged."""
-    if isinstance(part, dict) and part.get("type") == "refusal" and "refusal" in part:
-        return {"type": "text", "text": part["refusal"]}
-    return part
+# Part types whose text a text-only model reads, and the key that holds it, as vLLM's chat parser
+# takes them: OpenAI's text and refusal parts (a client replaying an assistant turn), and the
+# Responses API's input and output text.
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 
 
 class ChatMessage(BaseModel):
     """At most ``MAX_MESSAGE_CHARS`` characters of content, in at most ``MAX_CONTENT_PARTS``
-    parts."""
+    parts. The template reads the parts' texts joined by newlines, as vLLM's chat parser
+    joins them for a text-only model."""
 
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -74,27 +73,26 @@ class ChatMessage(BaseModel):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, value: Any, info: ValidationInfo) -> Any:
+    def _text_parts_only(cls, value: Any) -> Any:
         # Checked before the union: a part pydantic cannot take (an image, audio) would be
         # reported on the union's first branch ("content.str: Input should be a valid string"),
         # which names neither the part nor what is wrong with it.
         if not isinstance(value, list):
             return value
-        if info.data.get("role") == "assistant":
-            # OpenAI's schema lets an assistant turn replayed by a client carry its refusal as
-            # a part of its own; the template sees its text like any other.
-            value = [_refusal_as_text(part) for part in value]
+        parts = []
         for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
+            key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None
+            if key is None:
                 what = f"has type {kind!r}" if isinstance(kind, str) else "is not a text part"
                 raise ValueError(
                     f"content part {i} {what}: this model takes text only, as a string or "
                     'parts of {"type": "text", "text": ...}'
                 )
-            if not isinstance(part.get("text"), str):
-                raise ValueError(f"content part {i}: text must be a string")
-        return value
+            if not isinstance(part.get(key), str):
+                raise ValueError(f"content part {i}: {key} must be a string")
+            parts.append({"type": "text", "text": part[key]})
+        return parts
 
     @model_validator(mode="after")
     def _bounded(self) -> ChatMessage:
@@ -102,7 +100,10 @@ class ChatMessage(BaseModel):
         # branch's, and the first error is the one the client is shown.
         if isinstance(self.content, list) and len(self.content) > MAX_CONTENT_PARTS:
             raise ValueError(f"content: at most {MAX_CONTENT_PARTS} parts per message")
-        size = len(self.content) if isinstance(self.content, str) else len(self.text())
+        if isinstance(self.content, str):
+            size = len(self.content)
+        else:  # the parts' characters; the newlines that join them are not the client's
+            size = sum(len(part.text) for part in self.content or ())
         if size > MAX_MESSAGE_CHARS:
             raise ValueError(f"content: {size} characters; at most {MAX_MESSAGE_CHARS} per message")
         return self
@@ -112,7 +113,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)
 
 
 class Conversation(BaseModel):

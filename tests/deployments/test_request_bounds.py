@@ -241,22 +241,38 @@ def test_a_part_the_model_cannot_take_is_named(
     assert "valid string" not in error["message"]
 
 
-def test_an_assistant_turn_may_carry_its_refusal_as_a_part(validator: RequestValidator) -> None:
-    """OpenAI's schema: an assistant message replayed by the client may hold a refusal part; the
-    template reads its text. Other roles have no such part."""
-    refusal_part = {"type": "refusal", "refusal": "I can't help with that."}
+def test_text_like_parts_are_read_as_vllm_reads_them(validator: RequestValidator) -> None:
+    """As vLLM's chat parser takes them for a text-only model: OpenAI's text and refusal parts
+    (a client replaying an assistant turn) and the Responses API's input and output text, in
+    any role, their texts joined by newlines."""
     turns = [
-        {"role": "user", "content": "Do something bad."},
-        {"role": "assistant", "content": [{"type": "text", "text": "Sorry. "}, refusal_part]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Do something bad."},
+                {"type": "input_text", "text": "Now."},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "output_text", "text": "Sorry."},
+                {"type": "refusal", "refusal": "I can't help with that."},
+            ],
+        },
         {"role": "user", "content": "Then say hi."},
     ]
     request = ChatCompletionRequest.model_validate(chat(messages=turns))
-    assert request.messages[1].text() == "Sorry. I can't help with that."
+    assert [m.text() for m in request.messages] == [
+        "Do something bad.\nNow.",
+        "Sorry.\nI can't help with that.",
+        "Then say hi.",
+    ]
     assert isinstance(validator.chat(chat(messages=turns)), GenerationJob)
 
-    user_refusal = [{"role": "user", "content": [refusal_part]}]
-    error = refusal(validator.chat, chat(messages=user_refusal))
-    assert error["message"].startswith("messages.0.content: content part 0 has type 'refusal'")
+    broken = [{"role": "assistant", "content": [{"type": "refusal", "refusal": None}]}]
+    error = refusal(validator.chat, chat(messages=broken))
+    assert error["message"] == "messages.0.content: content part 0: refusal must be a string"
 
 
 def test_huge_seed_gets_a_range_message(validator: RequestValidator) -> None:
