@@ -32,6 +32,15 @@ os.environ.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(_free_port()))
 os.environ.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(_free_port()))
 
 
+# A custom resource only the head node has. Serve runs one direct-layout replica chooser per
+# node that holds a replica, and HAProxy spreads requests over every chooser on its host; the two
+# nodes here share one host, so it alternates between two routers that share no memory, which a
+# real cluster (one chooser per HAProxy) never does. A test of one router's choices keeps its
+# engine replicas on the head node with ON_HEAD_NODE.
+HEAD_RESOURCE = "test_head_node"
+ON_HEAD_NODE = {"resources": {HEAD_RESOURCE: 1}}
+
+
 @pytest.fixture(scope="session")
 def serve_instance() -> Iterator[str]:
     """A two-node Ray cluster on this machine (so objects can cross object stores) with Serve's
@@ -45,7 +54,12 @@ def serve_instance() -> Iterator[str]:
     node_args = {"num_cpus": 4, "object_store_memory": 192 * 1024 * 1024}
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={**node_args, "include_dashboard": False},
+        # HEAD_RESOURCE lets a test keep its replicas on the head node (ON_HEAD_NODE).
+        head_node_args={
+            **node_args,
+            "include_dashboard": False,
+            "resources": {HEAD_RESOURCE: 1000},
+        },
     )
     cluster.add_node(**node_args)
     ray.init(
@@ -72,10 +86,12 @@ def deploy(
     engine_options: dict[str, Any] | None = None,
     timeout_s: float = 180.0,
     layout: str = "direct",
+    on_head_node: bool = False,
 ) -> None:
     """Deploy the application and wait until /health says every engine replica can serve.
     ``layout``, unless ``args`` names one: the shipped config's (``direct``: engine replicas
-    serve HTTP behind HAProxy; with several, HAProxy asks the replica chooser) or ``routed``."""
+    serve HTTP behind HAProxy; with several, HAProxy asks the replica chooser) or ``routed``.
+    ``on_head_node``: the engine replicas all run on the head node (see ``HEAD_RESOURCE``)."""
     from ray import serve
 
     from deployments.app import build
@@ -90,7 +106,10 @@ def deploy(
                 if "autoscaling_config" in (engine_options or {})
                 else {"num_replicas": num_replicas}
             ),
-            "ray_actor_options": {"num_cpus": engine_num_cpus},
+            "ray_actor_options": {
+                "num_cpus": engine_num_cpus,
+                **(ON_HEAD_NODE if on_head_node else {}),
+            },
             **(engine_options or {}),
         },
         ingress_options={"ray_actor_options": {"num_cpus": 0}},

@@ -53,6 +53,22 @@ async def _run(
     return results
 
 
+def _wait_for_one_router(timeout_s: float = 60.0) -> None:
+    """Serve starts a chooser per node holding a replica of any application: wait until only
+    this application's head-node one runs (another module's app on the second node would add
+    one)."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    states: dict = {}
+    while time.monotonic() < deadline:
+        states = serve.status().applications[APP].deployments["Router"].replica_states
+        if states == {"RUNNING": 1}:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"expected one replica chooser, got {states}")
+
+
 @pytest.fixture(scope="module")
 def base_url(serve_instance: str, tiny_llama_with_tokenizer: Path):
     deploy(
@@ -71,7 +87,11 @@ def base_url(serve_instance: str, tiny_llama_with_tokenizer: Path):
             "kv_sharing": {"enabled": False},
         },
         name=APP,
+        # One node, so one replica chooser routes every request, as behind one HAProxy; the
+        # choices of several routers that share no memory are not what these tests check.
+        on_head_node=True,
     )
+    _wait_for_one_router()
     yield serve_instance
     undeploy(APP)
 
