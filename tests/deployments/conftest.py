@@ -131,6 +131,13 @@ def deploy(
     raise TimeoutError(f"application not healthy after {timeout_s}s: {last}")
 
 
+def replica_states(app: str, deployment: str = "Engine") -> dict[str, int]:
+    """How many of the deployment's replicas are in each state (``RUNNING``, ``STARTING``...)."""
+    from ray import serve
+
+    return dict(serve.status().applications[app].deployments[deployment].replica_states)
+
+
 def undeploy(name: str = "prefixserve") -> None:
     from ray import serve
 

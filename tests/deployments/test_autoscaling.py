@@ -8,9 +8,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ray import serve
 
-from tests.deployments.conftest import deploy, undeploy
+from tests.deployments.conftest import deploy, replica_states, undeploy
 
 pytestmark = pytest.mark.ray
 
@@ -18,8 +17,7 @@ APP = "autoscale"
 
 
 def _engine_replicas() -> dict[str, int]:
-    status = serve.status().applications[APP].deployments["Engine"]
-    return dict(status.replica_states)
+    return replica_states(APP)
 
 
 def _wait_for(predicate, timeout_s: float, what: str) -> float:

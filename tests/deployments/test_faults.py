@@ -22,7 +22,7 @@ import pytest
 import ray
 from ray import serve
 
-from tests.deployments.conftest import deploy, undeploy
+from tests.deployments.conftest import deploy, replica_states, undeploy
 from tests.deployments.support import (
     engine_replica_ids,
     scrape,
@@ -67,8 +67,7 @@ def replica_actor(replica_id: str) -> Any:
 
 
 def running_engine_replicas() -> int:
-    status = serve.status().applications[APP].deployments["Engine"]
-    return dict(status.replica_states).get("RUNNING", 0)
+    return replica_states(APP).get("RUNNING", 0)
 
 
 @dataclass

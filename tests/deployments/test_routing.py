@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.deployments.conftest import deploy, undeploy
+from tests.deployments.conftest import deploy, replica_states, undeploy
 
 pytestmark = pytest.mark.ray
 
@@ -57,12 +57,10 @@ def _wait_for_one_router(timeout_s: float = 60.0) -> None:
     """Serve starts a chooser per node holding a replica of any application: wait until only
     this application's head-node one runs (another module's app on the second node would add
     one)."""
-    from ray import serve
-
     deadline = time.monotonic() + timeout_s
-    states: dict = {}
+    states: dict[str, int] = {}
     while time.monotonic() < deadline:
-        states = serve.status().applications[APP].deployments["Router"].replica_states
+        states = replica_states(APP, "Router")
         if states == {"RUNNING": 1}:
             return
         time.sleep(0.5)
