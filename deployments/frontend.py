@@ -15,6 +15,7 @@ import concurrent.futures
 import contextvars
 import functools
 import hmac
+import importlib.metadata
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -212,6 +213,11 @@ class OpenAIFrontend:
             )
         return JSONResponse(self._model_card())
 
+    def version(self, request: Request) -> JSONResponse:
+        """vLLM's ``GET /version``: the serving package's installed version."""
+        self.check_auth(request)
+        return JSONResponse({"version": _package_version()})
+
     async def tokenize(self, request: Request) -> JSONResponse:
         self.check_auth(request)
         body = await self.read_body(request)
@@ -236,6 +242,14 @@ class OpenAIFrontend:
             raise HTTPError(503, "metrics unavailable", "service_unavailable") from e
         text = render(r["metrics"] for r in reports.values()) + self.admission.metrics.render()
         return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+@functools.cache
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("prefixserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was not installed
+        return "unknown"
 
 
 def _x_request_id(request: Request) -> str | None:
@@ -276,6 +290,10 @@ def openai_routes() -> tuple[FastAPI, type]:
         @app.get("/v1/models/{model_id:path}")
         async def model(self, request: Request, model_id: str) -> JSONResponse:
             return self.frontend.model(request, model_id)
+
+        @app.get("/version")
+        async def version(self, request: Request) -> JSONResponse:
+            return self.frontend.version(request)
 
         @app.post("/tokenize")
         async def tokenize(self, request: Request) -> JSONResponse:

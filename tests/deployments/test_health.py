@@ -1,13 +1,14 @@
 """Without a cluster: ``/health`` answers from a verdict refreshed in the background (one refresh
 however many calls come at once, unavailable once the verdict is stale or a refresh fails, no
-internals in any body), and the API key guards ``/health`` and ``/metrics`` but not ``/ping``.
-The routes run through ``serve.ingress`` and FastAPI's test client, with the replica context
-that Serve would provide faked."""
+internals in any body), and the API key guards ``/health``, ``/metrics`` and ``/version`` but
+not ``/ping``. The routes run through ``serve.ingress`` and FastAPI's test client, with the
+replica context that Serve would provide faked."""
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import importlib.metadata
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -194,9 +195,11 @@ def serve_routes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         client.__exit__(None, None, None)
 
 
-@pytest.mark.parametrize("path", ["/health", "/metrics"])
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/version"])
 @pytest.mark.parametrize("header", [None, "Bearer wrong", f"Basic {KEY}", KEY])
-def test_health_and_metrics_require_the_key(serve_routes: Any, path: str, header: str) -> None:
+def test_health_metrics_and_version_require_the_key(
+    serve_routes: Any, path: str, header: str
+) -> None:
     compute = Computations(OK)
     client = serve_routes(frontend(KEY, compute))
     r = client.get(path, headers={} if header is None else {"Authorization": header})
@@ -213,6 +216,13 @@ def test_the_key_opens_health_and_metrics(serve_routes: Any) -> None:
     assert health.status_code == 200 and health.json() == OK[1]
     metrics = client.get("/metrics", headers=auth)
     assert metrics.status_code == 200 and "# admission" in metrics.text
+
+
+def test_version_names_the_installed_package_as_vllm_shapes_it(serve_routes: Any) -> None:
+    client = serve_routes(frontend(KEY, Computations(OK)))
+    r = client.get("/version", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200
+    assert r.json() == {"version": importlib.metadata.version("prefixserve")}
 
 
 def test_without_a_key_health_and_metrics_are_open(serve_routes: Any) -> None:

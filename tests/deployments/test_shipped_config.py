@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import importlib.metadata
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,9 @@ def test_shared_prefix_workload_hits_the_cache_and_nothing_fails(base_url: str) 
     idle = wait_until_idle(base_url)
     assert all(v == 0 for v in idle.values()), idle
     assert scrape(base_url)  # /metrics answers on the direct path too
+    version = httpx.get(f"{base_url}/version", timeout=30)
+    assert version.status_code == 200
+    assert version.json() == {"version": importlib.metadata.version("prefixserve")}
 
 
 def test_a_burst_of_probes_is_served_not_refused(base_url: str) -> None:
