@@ -181,6 +181,26 @@ def test_native_attention_long_bf16_chunks_match_reference(
 
 
 @needs_compiler
+@pytest.mark.parametrize("threads", [1, 2, 8])
+@pytest.mark.parametrize("kv_start_blocks", [0, 3])
+def test_native_attention_of_one_long_prompt_matches_reference(threads, kv_start_blocks):
+    """One 700-token prompt beside a 40-token chunk after 660 cached and a decode, SmolLM2's
+    shapes: on AMX the long prompt is cut into runs of tiles (each packing the keys it reads
+    once) so that the threads share it, and every cut must give the same rows; rows before
+    kv_start see no key."""
+    lens, qlens = [700, 700, 90], [700, 40, 1]
+    q, k_cache, v_cache, tables = _random_batch(torch.bfloat16, 9, 3, 64, 16, lens, qlens, seed=7)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _assert_kernel_matches_reference(
+            q, k_cache, v_cache, tables, lens, qlens, kv_start_blocks * 16, 2e-2, 1e-3
+        )
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_compiler
 def test_native_attention_on_a_subset_writes_only_its_rows():
     """A subset of a batch's sequences (with their own query offsets) leaves other rows alone."""
     lens, qlens = [6, 9, 30], [1, 4, 2]

@@ -657,6 +657,60 @@ static int attend_decode_heads_amx(const attn_args *a, int s) {
 }
 #endif
 
+/* A share of paged_attention's work: query tokens [t0, t1) of sequence seq for KV heads
+ * [h0, h1), and an estimate of its cost (query tokens times keys) for ordering. */
+typedef struct {
+    int seq;
+    int64_t t0, t1;
+    int h0, h1;
+    int64_t work;
+} work_item;
+
+static int by_work_desc(const void *x, const void *y) {
+    const int64_t a = ((const work_item *)x)->work, b = ((const work_item *)y)->work;
+    return (a < b) - (a > b);
+}
+
+/* The most runs one sequence's AMX prefill is cut into (per KV head). */
+#define AMX_MAX_RUNS 16
+
+/* Keys the AMX tiles of query tokens [t0, t1) read, summed over tiles (what they cost), for a
+ * sequence whose query token 0 sits at first_pos. */
+static int64_t amx_run_work(int64_t first_pos, int64_t t0, int64_t t1, int64_t kv_start) {
+    int64_t w = 0;
+    for (int64_t t = t0; t < t1; t += AMX_TILE_TOKENS) {
+        const int64_t n = t1 - t < AMX_TILE_TOKENS ? t1 - t : AMX_TILE_TOKENS;
+        const int64_t keys = first_pos + t + n - kv_start;
+        w += (keys > 0 ? keys : 0) * AMX_TILE_TOKENS;
+    }
+    return w;
+}
+
+/* Cuts a sequence's qlen query tokens into runs of whole tiles holding about equal work, each at
+ * most cap where whole tiles allow (at most AMX_MAX_RUNS runs); writes the runs' bounds to cuts
+ * (runs + 1 entries) when it is not NULL and returns how many runs. */
+static int amx_runs(int64_t first_pos, int64_t qlen, int64_t kv_start, int64_t cap, int64_t *cuts) {
+    const int64_t total = amx_run_work(first_pos, 0, qlen, kv_start);
+    const int64_t tiles = (qlen + AMX_TILE_TOKENS - 1) / AMX_TILE_TOKENS;
+    int64_t runs = (total + cap - 1) / cap;
+    if (runs > tiles) runs = tiles;
+    if (runs > AMX_MAX_RUNS) runs = AMX_MAX_RUNS;
+    if (runs < 1) runs = 1;
+    if (cuts == NULL) return (int)runs;
+    cuts[0] = 0;
+    int r = 1;
+    int64_t done = 0;
+    for (int64_t t = 0; t < qlen && r < runs; t += AMX_TILE_TOKENS) {
+        const int64_t t1 = t + AMX_TILE_TOKENS < qlen ? t + AMX_TILE_TOKENS : qlen;
+        done += amx_run_work(first_pos, t, t1, kv_start);
+        /* Cut after this tile once the runs so far hold their share of the work. */
+        if (done * runs >= total * r && t1 < qlen) cuts[r++] = t1;
+    }
+    runs = r;
+    cuts[runs] = qlen;
+    return (int)runs;
+}
+
 int paged_attention(const void *q, const void *k_cache, const void *v_cache,
                     const int64_t *block_tables, const int64_t *seq_lens,
                     const int64_t *query_start, const int64_t *query_len, void *out,
@@ -684,42 +738,60 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache,
 
     /* Items: every sequence's query tiles, split by KV head when there are too few to keep the
      * threads busy (a batch of one) and always for decodes (one tile of one token). On AMX a
-     * prefill item is 16 tokens of every query head of one KV head (attention_amx.c). */
-    int64_t num_tiles = 0, num_items = 0;
-    for (int s = 0; s < num_seqs; s++)
+     * prefill item is a run of 16-token tiles of every query head of one KV head, which packs
+     * the keys it reads once (attention_amx.c): a sequence is one run per KV head unless its
+     * work per KV head exceeds a (4 * num_threads)'th of the step's, and is then cut where the
+     * work (keys per tile, growing along a causal prompt) splits evenly; finer cuts pack more
+     * keys again but measured faster on one long prompt than a cut per (4 * num_threads)'th of
+     * all KV heads' work. Items then go longest first. */
+    int64_t num_tiles = 0, num_items = 0, amx_work = 0;
+    for (int s = 0; s < num_seqs; s++) {
         num_tiles += (query_len[s] + tile - 1) / tile;
+        if (query_len[s] > 1 && a.amx_prefill)
+            amx_work += amx_run_work(seq_lens[s] - query_len[s], 0, query_len[s], kv_start);
+    }
     const int splits = num_tiles < 4 * (int64_t)num_threads ? num_kv_heads : 1;
+    /* The most work one AMX run should hold, over all KV heads. */
+    const int64_t amx_cap = amx_work / (4 * (int64_t)num_threads) + 1;
     for (int s = 0; s < num_seqs; s++) {
         if (query_len[s] > 1 && a.amx_prefill)
-            num_items += (query_len[s] + AMX_TILE_TOKENS - 1) / AMX_TILE_TOKENS * num_kv_heads;
+            num_items += amx_runs(seq_lens[s] - query_len[s], query_len[s], kv_start, amx_cap,
+                                  NULL) * num_kv_heads;
         else
             num_items += (query_len[s] + tile - 1) / tile * splits;
     }
-    /* (sequence, first token, first KV head, KV heads after the last) */
-    int64_t *items = (int64_t *)malloc(sizeof(int64_t) * 4 * (size_t)(num_items > 0 ? num_items : 1));
+    work_item *items = (work_item *)malloc(sizeof(work_item) * (size_t)(num_items > 0 ? num_items : 1));
     if (items == NULL) return -1;
     int64_t k = 0;
     for (int s = 0; s < num_seqs; s++) {
-        const int amx = query_len[s] > 1 && a.amx_prefill;
-        const int64_t step = amx ? AMX_TILE_TOKENS : tile;
-        const int parts = amx ? num_kv_heads : splits;
-        for (int64_t t = 0; t < query_len[s]; t += step)
-            for (int p = 0; p < parts; p++) {
-                int64_t *item = items + 4 * k++;
-                item[0] = s;
-                item[1] = t;
-                item[2] = parts == 1 ? 0 : p;
-                item[3] = parts == 1 ? num_kv_heads : p + 1;
+        const int64_t qlen = query_len[s], first_pos = seq_lens[s] - qlen;
+        if (qlen > 1 && a.amx_prefill) {
+            int64_t cuts[AMX_MAX_RUNS + 1];
+            const int runs = amx_runs(first_pos, qlen, kv_start, amx_cap, cuts);
+            for (int r = 0; r < runs; r++)
+                for (int h = 0; h < num_kv_heads; h++)
+                    items[k++] = (work_item){s, cuts[r], cuts[r + 1], h, h + 1,
+                                             amx_run_work(first_pos, cuts[r], cuts[r + 1], kv_start)};
+            continue;
+        }
+        for (int64_t t = 0; t < qlen; t += tile)
+            for (int p = 0; p < splits; p++) {
+                const int64_t t1 = t + tile < qlen ? t + tile : qlen;
+                items[k++] = (work_item){s, t, t1, splits == 1 ? 0 : p,
+                                         splits == 1 ? num_kv_heads : p + 1,
+                                         (t1 - t) * (first_pos + t1 - kv_start)};
             }
     }
+    num_items = k; /* a sequence may need fewer runs than counted */
+    if (amx_work > 0) qsort(items, (size_t)num_items, sizeof(work_item), by_work_desc);
     int failed = 0;
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t it = 0; it < num_items; it++) {
-        const int64_t *item = items + 4 * it;
-        const int s = (int)item[0];
-        const int64_t t0 = item[1];
-        const int h0 = (int)item[2], h1 = (int)item[3];
+        const work_item *item = items + it;
+        const int s = item->seq;
+        const int64_t t0 = item->t0, t1 = item->t1;
+        const int h0 = item->h0, h1 = item->h1;
         const int64_t qlen = query_len[s];
         if (qlen == 1) {
 #if defined(HAVE_AMX)
@@ -743,17 +815,14 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache,
             continue;
         }
         if (a.amx_prefill) {
-            const int64_t t1 = t0 + AMX_TILE_TOKENS < qlen ? t0 + AMX_TILE_TOKENS : qlen;
             const bf16_tile_args b = {(const uint16_t *)q, (const uint16_t *)k_cache,
                                       (const uint16_t *)v_cache, block_tables + (int64_t)s * bt_stride,
                                       (uint16_t *)out, lse, num_heads, group, head_dim, block_size,
                                       q_stride, out_stride, a.row, scale};
-            if (amx_attend_tile(&b, query_start[s] + t0, seq_lens[s] - qlen + t0, (int)(t1 - t0), h0,
-                                kv_start) != 0)
+            if (amx_attend_tiles(&b, query_start[s], seq_lens[s] - qlen, t0, t1, h0, kv_start) != 0)
                 failed = 1;
             continue;
         }
-        const int64_t t1 = t0 + tile < qlen ? t0 + tile : qlen;
         attend_tile(&a, s, t0, t1, h0, h1);
     }
     free(items);
