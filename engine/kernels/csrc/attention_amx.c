@@ -4,7 +4,7 @@
  * The keys the run's last tile sees are packed once per call, in the layouts AMX wants for its
  * second operand (each 16 keys x 32 dims transposed as 16 x 16 pairs of dims; values with the
  * rows of two keys interleaved), and every tile of the run reads them from there: a tile of
- * position p would otherwise repack p keys, which costs as much as its products. Per tile, the
+ * position p would otherwise repack p keys, which cost more than its tile multiplies. Per tile, the
  * keys go in passes of up to KEYS_PER_PASS:
  *   scores   S[16 tokens x 16 keys] += Q[16 x 32 dims] . K^T, one tile multiply per head and
  *            32 dims, the query rows loaded in place from a padded copy;
@@ -28,9 +28,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-#include "bf16.h"
-#include "vec16.h"
 
 #define KEYS_PER_PASS 256
 #define NEG_BIG -1e30f /* no infinities under -ffast-math */
