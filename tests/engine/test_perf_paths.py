@@ -184,11 +184,11 @@ def test_native_attention_long_bf16_chunks_match_reference(
 @pytest.mark.parametrize("threads", [1, 2, 8])
 @pytest.mark.parametrize("kv_start_blocks", [0, 3])
 def test_native_attention_of_one_long_prompt_matches_reference(threads, kv_start_blocks):
-    """One 700-token prompt beside a 40-token chunk after 660 cached and a decode, SmolLM2's
-    shapes: on AMX the long prompt is cut into runs of tiles (each packing the keys it reads
-    once) so that the threads share it, and every cut must give the same rows; rows before
-    kv_start see no key."""
-    lens, qlens = [700, 700, 90], [700, 40, 1]
+    """One 700-token prompt beside a 40-token chunk after 660 cached, a 40-token prompt and a
+    decode, SmolLM2's shapes: on AMX the long prompt is cut into runs of tiles (each packing the
+    keys it reads once) so that the threads share it, and every cut must give the same rows;
+    rows before kv_start see no key (at 3 blocks, the whole 40-token prompt)."""
+    lens, qlens = [700, 700, 40, 90], [700, 40, 40, 1]
     q, k_cache, v_cache, tables = _random_batch(torch.bfloat16, 9, 3, 64, 16, lens, qlens, seed=7)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

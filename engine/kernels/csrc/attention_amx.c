@@ -302,16 +302,9 @@ int amx_attend_tiles(const bf16_tile_args *a, int64_t qtok, int64_t first_pos, i
                      int64_t t_end, int kvh, int64_t kv_start) {
     if (!amx_linear_available()) return -1;
     const int G = a->group, D = a->head_dim, KB = KEYS_PER_PASS;
-    const int64_t k1 = first_pos + t_end; /* the last tile's keys end here */
-    if (k1 <= kv_start) { /* no query sees a key */
-        for (int64_t t = t_begin; t < t_end; t++)
-            for (int g = 0; g < G; g++) {
-                const int h = kvh * G + g;
-                memset(a->out + (qtok + t) * a->out_stride + (int64_t)h * D, 0, 2 * (size_t)D);
-                if (a->lse != NULL) a->lse[(qtok + t) * a->num_heads + h] = -INFINITY;
-            }
-        return 0;
-    }
+    /* The last tile's keys end at first_pos + t_end; none when every query lies before
+     * kv_start (its rows then get out = 0 and lse = -inf from attend_tile). */
+    const int64_t k1 = first_pos + t_end > kv_start ? first_pos + t_end : kv_start;
     const size_t keys = (size_t)((k1 - kv_start + 31) / 32) * 32;
     const size_t rows = (size_t)G * 16;
     const size_t b_qb = rows * D * 2, b_kt = keys * D * 2, b_vv = keys * D * 2;

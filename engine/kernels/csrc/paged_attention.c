@@ -688,7 +688,7 @@ static int64_t amx_run_work(int64_t first_pos, int64_t t0, int64_t t1, int64_t k
 
 /* Cuts a sequence's qlen query tokens into runs of whole tiles holding about equal work, each at
  * most cap where whole tiles allow (at most AMX_MAX_RUNS runs); writes the runs' bounds to cuts
- * (runs + 1 entries) when it is not NULL and returns how many runs. */
+ * (runs + 1 entries) and returns how many runs. */
 static int amx_runs(int64_t first_pos, int64_t qlen, int64_t kv_start, int64_t cap, int64_t *cuts) {
     const int64_t total = amx_run_work(first_pos, 0, qlen, kv_start);
     const int64_t tiles = (qlen + AMX_TILE_TOKENS - 1) / AMX_TILE_TOKENS;
@@ -696,7 +696,6 @@ static int amx_runs(int64_t first_pos, int64_t qlen, int64_t kv_start, int64_t c
     if (runs > tiles) runs = tiles;
     if (runs > AMX_MAX_RUNS) runs = AMX_MAX_RUNS;
     if (runs < 1) runs = 1;
-    if (cuts == NULL) return (int)runs;
     cuts[0] = 0;
     int r = 1;
     int64_t done = 0;
@@ -754,10 +753,11 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache,
     /* The most work one AMX run should hold, over all KV heads. */
     const int64_t amx_cap = amx_work / (4 * (int64_t)num_threads) + 1;
     for (int s = 0; s < num_seqs; s++) {
-        if (query_len[s] > 1 && a.amx_prefill)
-            num_items += amx_runs(seq_lens[s] - query_len[s], query_len[s], kv_start, amx_cap,
-                                  NULL) * num_kv_heads;
-        else
+        if (query_len[s] > 1 && a.amx_prefill) {
+            /* At most, not exactly: amx_runs may need fewer. */
+            const int64_t tiles = (query_len[s] + AMX_TILE_TOKENS - 1) / AMX_TILE_TOKENS;
+            num_items += (tiles < AMX_MAX_RUNS ? tiles : AMX_MAX_RUNS) * num_kv_heads;
+        } else
             num_items += (query_len[s] + tile - 1) / tile * splits;
     }
     work_item *items = (work_item *)malloc(sizeof(work_item) * (size_t)(num_items > 0 ? num_items : 1));
@@ -782,7 +782,7 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache,
                                          (t1 - t) * (first_pos + t1 - kv_start)};
             }
     }
-    num_items = k; /* a sequence may need fewer runs than counted */
+    num_items = k;
     if (amx_work > 0) qsort(items, (size_t)num_items, sizeof(work_item), by_work_desc);
     int failed = 0;
 
