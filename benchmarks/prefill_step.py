@@ -1,11 +1,14 @@
 """Time one prefill forward with and without the last-layer pruning (``forward(keep=...)``),
 with and without whole prompts batched into one SDPA call per layer (``--compare sdpa-batch``,
 the CPU attention backend's ``batch_whole_prompts``), or with long chunks on SDPA against every
-chunk in the native kernel (``--compare native``, the backend's ``native_max_pairs``).
+chunk in the native kernel (``--compare native``, the backend's ``native_max_pairs``), or with
+prefill-sized linears on oneDNN against the packed tiles' kernels (``--compare linear``:
+``linear.PACKED_MAX_ROWS`` and ``GATED_MAX_ROWS`` at the decode bound, then as shipped).
 
     python -m benchmarks.prefill_step --prompts 20 --tokens 100 --rounds 6
     python -m benchmarks.prefill_step --compare sdpa-batch --prompts 3 --tokens 544
     python -m benchmarks.prefill_step --compare native --prompts 20 --tokens 100
+    python -m benchmarks.prefill_step --compare linear --prompts 12 --tokens 100
 
 Admits ``--prompts`` fresh prompts of ``--tokens`` random tokens, builds their one prefill batch
 (they must fit ``max_num_batched_tokens``), then times the model's forward over it, alternating
@@ -24,6 +27,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention.cpu_backend import NATIVE_MAX_PAIRS
+from engine.kernels import native
+from engine.model import linear
 from engine.model_runner import ScheduledSeq
 
 
@@ -35,7 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--compare", choices=["prune", "sdpa-batch", "native"], default="prune")
+    ap.add_argument(
+        "--compare", choices=["prune", "sdpa-batch", "native", "linear"], default="prune"
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -60,8 +67,23 @@ def main(argv: list[str] | None = None) -> None:
     seqs = [ScheduledSeq(r, r.num_tokens, engine.kv.block_ids(r.request_id)) for r in requests]
     batch = runner.prepare(seqs)
     variants = {"last layer for every row": (batch, None)}
+    # Per variant, the linear row bounds it runs under (None: as shipped).
+    bounds: dict[str, tuple[dict[str, int], dict[str, int | None]] | None] = {}
     if args.compare == "prune":
         variants["last layer for sampled rows"] = (batch, batch.logits_indices)
+    elif args.compare == "linear":
+        kind = native.decode_linear_kind()
+        if kind is None:
+            raise SystemExit("--compare linear needs a decode linear kernel (AMX or AVX512-BF16)")
+        decode = linear.DECODE_MAX_ROWS[kind]
+        variants = {
+            "oneDNN past the decode bound": (batch, batch.logits_indices),
+            "packed tiles as shipped": (batch, batch.logits_indices),
+        }
+        bounds["oneDNN past the decode bound"] = (
+            {**linear.PACKED_MAX_ROWS, kind: decode},
+            {**linear.GATED_MAX_ROWS, kind: decode},
+        )
     else:
         # Two plans of the same step, each prepared with one setting of the CPU backend.
         attr, settings = {
@@ -91,12 +113,21 @@ def main(argv: list[str] | None = None) -> None:
             variants[name] = (prepared, prepared.logits_indices)
         setattr(backend, attr, chosen)
 
+    shipped = (dict(linear.PACKED_MAX_ROWS), dict(linear.GATED_MAX_ROWS))
+
     def forward(variant: str) -> float:
         b, keep = variants[variant]
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            runner.model(b.input_ids, b.positions, runner.kv_caches, b.meta, keep)
-        return time.perf_counter() - t0
+        packed_rows, gated_rows = bounds.get(variant) or shipped
+        linear.PACKED_MAX_ROWS.update(packed_rows)
+        linear.GATED_MAX_ROWS.update(gated_rows)
+        try:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                runner.model(b.input_ids, b.positions, runner.kv_caches, b.meta, keep)
+            return time.perf_counter() - t0
+        finally:
+            linear.PACKED_MAX_ROWS.update(shipped[0])
+            linear.GATED_MAX_ROWS.update(shipped[1])
 
     for name in variants:
         forward(name)

@@ -17,7 +17,8 @@ the output to bf16 (see :func:`upcast_linear`).
 On a CPU with AMX, bf16 inputs of up to ``decode_max_rows()`` rows (decode steps) take this
 project's AMX kernel instead (``csrc/amx_linear.c``): with its own tile layout of the weight it
 streams the weights faster than oneDNN at 1-64 rows, where a step is bound by reading
-them. On a CPU with AVX512-BF16 but no AMX (AMD Zen 4) the same layout feeds a ``vdpbf16ps``
+them. Prefill batches up to ``PACKED_MAX_ROWS`` rows (an MLP's gate and up at any count) take
+its prefill kernel over the same tiles (``csrc/amx_prefill_linear.c``). On a CPU with AVX512-BF16 but no AMX (AMD Zen 4) the same layout feeds a ``vdpbf16ps``
 kernel (``csrc/decode_linear.c``), faster than oneDNN there from 1 to 128 rows; an MLP's gate
 and up take it at any row count, where its SiLU epilogue saves a pass over the product. That
 layout is a third copy of the bf16 weights in memory. The figures: docs/performance.md,
@@ -80,18 +81,25 @@ UPCAST_SLICE_ELEMS = 1 << 20
 _scratch = threading.local()
 
 
-# bf16 inputs of up to this many rows take the decode linear kernel of this kind
-# (``native.decode_linear_kind()``), oneDNN beyond. AMX beat oneDNN from 1 to 64 rows, tied at
-# 128 and lost at 256 (``python -m benchmarks.floors``, Sapphire Rapids); the AVX512-BF16 kernel
-# beat oneDNN by 1.7x at 1 row, 1.2x at 64, 1.1x at 128 and 1.06x at 192, tied at 256 (Zen 4,
-# docs/performance.md), and prefill keeps oneDNN (but for an MLP's gate and up, below).
+# A decode step's batch: up to this many rows the decode linear kernel of this kind
+# (``native.decode_linear_kind()``) streams the weights past every row, and the one-call decoder
+# stack runs (``native_forward``). AMX beat oneDNN from 1 to 64 rows, tied at 128 and lost at 256
+# (``python -m benchmarks.floors``, Sapphire Rapids); the AVX512-BF16 kernel beat oneDNN by 1.7x
+# at 1 row, 1.2x at 64, 1.1x at 128 and 1.06x at 192, tied at 256 (Zen 4, docs/performance.md).
 DECODE_MAX_ROWS = {"amx": 96, "avx512_bf16": 128}
-# An MLP's gated ``[gate; up]`` weight takes the same kernel, with its SiLU epilogue, up to this
-# many rows (None: any number). The AVX512-BF16 kernel ties oneDNN's product at prefill sizes, and
-# the epilogue saves the separate ``silu_mul`` pass over the ``[rows, 2 * inter]`` product: it
-# beat oneDNN + ``silu_mul`` at every size measured on Zen 4 (docs/performance.md), so it takes
-# prefill chunks too. AMX keeps its decode bound (not measured at prefill sizes).
-GATED_MAX_ROWS: dict[str, int | None] = {"amx": DECODE_MAX_ROWS["amx"], "avx512_bf16": None}
+# bf16 inputs of up to this many rows take the packed tiles (``native.decode_linear``), oneDNN
+# beyond. On AMX, batches past ``DECODE_MAX_ROWS`` go to the prefill kernel over the same tiles
+# (``csrc/amx_prefill_linear.c``), which split rows between threads: it beat oneDNN on this
+# model's four shapes from 128 to 1,600 rows and trailed it by up to 8% at 2,000
+# (docs/performance.md). AVX512-BF16 keeps its decode bound.
+PACKED_MAX_ROWS = {"amx": 1600, "avx512_bf16": DECODE_MAX_ROWS["avx512_bf16"]}
+# An MLP's gated ``[gate; up]`` weight takes the same kernels, with their SiLU epilogue, up to
+# this many rows (None: any number): the epilogue saves the separate ``silu_mul`` pass over the
+# ``[rows, 2 * inter]`` product. The AVX512-BF16 kernel ties oneDNN's product at prefill sizes and
+# beat oneDNN + ``silu_mul`` at every size measured on Zen 4; the AMX prefill kernel runs its
+# epilogue between the next block's tile multiplies and beat it at every size from 128 to 2,000
+# rows (docs/performance.md).
+GATED_MAX_ROWS: dict[str, int | None] = {"amx": None, "avx512_bf16": None}
 
 
 def decode_max_rows() -> int:
@@ -105,7 +113,7 @@ class PackedWeight:
     """Copies of one linear weight ``[out_features, in]``, made once from it at load time and
     stale as soon as it changes: ``onednn`` in oneDNN's blocked layout (bf16 at any rows, fp32 at
     ``FP32_PACKED_ROWS``), ``decode`` in the decode linear kernels' tiles (bf16, up to
-    ``DECODE_MAX_ROWS[kind]`` rows, None where neither kernel runs), ``kind`` the kernel that
+    ``PACKED_MAX_ROWS[kind]`` rows, None where neither kernel runs), ``kind`` the kernel that
     reads them (``"amx"`` or ``"avx512_bf16"``, see ``native.decode_linear_kind``). At least one
     copy is set. ``gated``: the weight is an MLP's ``[gate; up]`` and ``decode`` serves
     :func:`silu_mul_linear` only (its tiles pair gate and up features)."""
@@ -214,7 +222,7 @@ def _takes_decode_kernel(
         or x.dtype != torch.bfloat16
     ):
         return False
-    max_rows = (GATED_MAX_ROWS if packed.gated else DECODE_MAX_ROWS)[packed.kind]
+    max_rows = (GATED_MAX_ROWS if packed.gated else PACKED_MAX_ROWS)[packed.kind]
     return max_rows is None or x.shape[0] <= max_rows
 
 

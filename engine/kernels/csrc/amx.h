@@ -30,5 +30,9 @@ static inline void amx_configure_16x64(void) {
 #endif
 
 int amx_linear_available(void);
+/* amx_linear's product for batches of more than a decode step's rows (amx_prefill_linear.c). */
+int amx_prefill_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+                       const uint16_t *wp, int64_t n, int gated, uint16_t *y, int64_t y_stride,
+                       int num_threads);
 
 #endif

@@ -39,6 +39,11 @@ int amx_linear_available(void) {
 }
 
 
+/* Up to this many rows (a decode step's batch) the weights are split between threads and stream
+ * past every row; beyond, amx_prefill_linear (amx_prefill_linear.c) takes the batch (it beat
+ * these loops from 128 rows on, with the weights in cache). linear.DECODE_MAX_ROWS["amx"]. */
+#define DECODE_ROWS 96
+
 /* The weight pair this many pairs ahead is requested into L2 during the first row pass. */
 #define PREFETCH_PAIRS 4
 /* 17 to 64 rows (two to four row tiles), the batches of a decode step: each 16-feature block of
@@ -191,10 +196,14 @@ static void amx_linear_pairs(const uint16_t *xs, int64_t m, int64_t KB, int64_t 
  *
  * Each pass computes 32 rows x 32 features as 2 x 2 sum tiles from two tiles of x and two of
  * weights per 32 inputs: four multiplies per four loads. Batches of 17 to 64 rows go to
- * amx_linear_rows4 instead, which loads each weight tile once for all of them. */
+ * amx_linear_rows4 instead, which loads each weight tile once for all of them; batches of more
+ * than DECODE_ROWS rows to amx_prefill_linear, which splits rows instead of weights. */
 int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const uint16_t *wp,
                int64_t n, int gated, uint16_t *y, int64_t y_stride, int num_threads) {
     if (!amx_linear_available()) return -1;
+    if (m > DECODE_ROWS &&
+        amx_prefill_linear(x, m, k, x_stride, wp, n, gated, y, y_stride, num_threads) == 0)
+        return 0;
     const int64_t KB = (k + 31) / 32;
     const int64_t NP = gated ? (n / 2 + 15) / 16 : (n + 31) / 32; /* n-block pairs */
     const int64_t kp = KB * 32, mp = (m + 15) / 16 * 16;

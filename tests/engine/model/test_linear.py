@@ -224,8 +224,8 @@ def spy_decode_linear(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool, 
     ("rows", "dtype", "with_bias", "decode"),
     [
         (1, torch.bfloat16, False, True),
-        (lin.DECODE_MAX_ROWS["avx512_bf16"], torch.bfloat16, False, True),
-        (lin.DECODE_MAX_ROWS["avx512_bf16"] + 1, torch.bfloat16, False, False),
+        (lin.PACKED_MAX_ROWS["avx512_bf16"], torch.bfloat16, False, True),
+        (lin.PACKED_MAX_ROWS["avx512_bf16"] + 1, torch.bfloat16, False, False),
         (4, torch.bfloat16, True, False),
         (4, torch.float32, False, False),
     ],
@@ -241,7 +241,7 @@ def test_only_bf16_decode_rows_without_bias_take_the_decode_kernel(
     decode: bool,
 ) -> None:
     calls = spy_decode_linear(monkeypatch)
-    monkeypatch.setitem(lin.DECODE_MAX_ROWS, kind, lin.DECODE_MAX_ROWS["avx512_bf16"])
+    monkeypatch.setitem(lin.PACKED_MAX_ROWS, kind, lin.PACKED_MAX_ROWS["avx512_bf16"])
     weight = torch.randn(8, 16).to(dtype)
     bias = torch.randn(8).to(dtype) if with_bias else None
     packed = lin.PackedWeight(
@@ -254,25 +254,26 @@ def test_only_bf16_decode_rows_without_bias_take_the_decode_kernel(
         torch.testing.assert_close(got, F.linear(x, weight, bias))
 
 
-@pytest.mark.parametrize("rows", [1, 128, 129, 2048])
+@pytest.mark.parametrize("rows", [1, 128, 129, 1600, 1601, 2048])
 @pytest.mark.parametrize("kind", ["amx", "avx512_bf16"])
 def test_gated_rows_past_the_decode_bound_take_the_epilogue_where_it_wins(
     monkeypatch: pytest.MonkeyPatch, kind: str, rows: int
 ) -> None:
-    """On AVX512-BF16 an MLP's gate and up take the gated kernel at any row count (its epilogue
-    saves the silu_mul pass); the plain product and AMX keep their decode bounds."""
+    """An MLP's gate and up take the gated kernel at any row count (its epilogue saves the
+    silu_mul pass); the plain product takes the packed tiles up to its kind's bound (AMX's
+    prefill kernel to 1,600 rows, AVX512-BF16's decode bound), oneDNN beyond."""
     calls = spy_decode_linear(monkeypatch)
     weight = torch.randn(8, 16).bfloat16()
     decode = torch.empty(0, dtype=torch.bfloat16)
     gated = lin.PackedWeight(onednn=None, decode=decode, out_features=8, gated=True, kind=kind)
     x = torch.randn(rows, 16).bfloat16()
     got = lin.silu_mul_linear(x, weight, None, gated)
-    takes = kind == "avx512_bf16" or rows <= lin.DECODE_MAX_ROWS[kind]
-    assert (got is not None) == takes and calls == ([(rows, True, kind)] if takes else [])
+    assert got is not None and calls == [(rows, True, kind)]
     calls.clear()
     plain = lin.PackedWeight(onednn=None, decode=decode, out_features=8, kind=kind)
     lin.linear(x, weight, None, plain)
-    assert calls == ([(rows, False, kind)] if rows <= lin.DECODE_MAX_ROWS[kind] else [])
+    bound = {"amx": 1600, "avx512_bf16": 128}[kind]
+    assert calls == ([(rows, False, kind)] if rows <= bound else [])
 
 
 @pytest.mark.parametrize("kind", DECODE_KINDS)
@@ -312,3 +313,49 @@ def test_gated_decode_linear_is_silu_mul_of_the_rounded_product(
         assert lin.silu_mul_linear(too_many, weight, None, packed) is None
     with pytest.raises(ValueError, match="even number of rows"):
         native.decode_pack_weight(weight[1:], gated=True)
+
+
+AMX_ONLY = pytest.mark.skipif(
+    not native.amx_available(), reason="needs a CPU with AMX (bf16) and the native kernels"
+)
+
+
+@AMX_ONLY
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("rows", [97, 128, 129, 700])
+@pytest.mark.parametrize(("out_features", "in_features"), [(200, 1536), (80, 64), (1000, 96)])
+def test_amx_prefill_linear_is_the_float32_product_rounded_to_bf16(
+    gated: bool, rows: int, out_features: int, in_features: int
+) -> None:
+    """Batches past a decode step's rows take the prefill kernel (csrc/amx_prefill_linear.c):
+    a last block of fewer than 32 rows, outputs past a pair of 16-blocks (gated: 100, 40 and 500
+    outputs), rows in several chunks (700 rows of 1,536 inputs), rows that are a view into a wider
+    tensor with a NaN just past each row's last input; and every thread count (grids that split
+    the outputs as well as the rows) gives the one-thread result bit for bit."""
+    from engine.model import fused
+
+    gen = torch.Generator().manual_seed(rows * out_features + in_features + gated)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.1).bfloat16()
+    wide = torch.randn(rows, in_features + 8, generator=gen).bfloat16()
+    wide[:, 3 + in_features] = float("nan")
+    x = wide[:, 3 : 3 + in_features]
+    packed = native.decode_pack_weight(weight, gated=gated)
+    assert packed is not None
+    product = F.linear(x.float(), weight.float()).bfloat16()
+    expected = fused.silu_mul(product) if gated else product
+    before = torch.get_num_threads()
+    try:
+        results = {}
+        for threads in (1, 2, 3, 8):
+            torch.set_num_threads(threads)
+            results[threads] = native.decode_linear(x, packed, out_features, gated, kind="amx")
+    finally:
+        torch.set_num_threads(before)
+    one = results[1]
+    assert one is not None and one.shape == expected.shape
+    # A gate summed in another order can round to the neighbouring bf16, which SiLU carries into
+    # a small output: an absolute allowance of one bf16 step at 0.5.
+    torch.testing.assert_close(one, expected, atol=2**-8, rtol=0.016)
+    assert (one != expected).float().mean() < 0.02  # the same rounding but for the sum order
+    for threads, got in results.items():
+        assert got is not None and torch.equal(got, one), f"{threads} threads"
