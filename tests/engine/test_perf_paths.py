@@ -436,26 +436,28 @@ def test_fused_elementwise_ops_match_reference_ops(width, dtype):
     if dtype == torch.bfloat16:
         assert (got != expected).float().mean() < 0.05  # mostly the very same rounding
 
-    heads, kv_heads, dim = 4, 2, 16
-    qkv = torch.randn(7, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
-    positions = torch.tensor([0, 1, 5, 9, 100, 3, 2])
-    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
-    freqs = torch.arange(128).float()[:, None] * inv[None, :]
-    cos_t, sin_t = freqs.cos(), freqs.sin()
-    cos, sin = cos_t[positions].to(dtype).unsqueeze(1), sin_t[positions].to(dtype).unsqueeze(1)
-    q_ref = apply_rope(qkv[:, : heads * dim].view(7, heads, dim), cos, sin)
-    k_ref = apply_rope(
-        qkv[:, heads * dim : (heads + kv_heads) * dim].view(7, kv_heads, dim), cos, sin
-    )
-    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
-    fused.rope_(qkv, positions, cos_t, sin_t, heads + kv_heads, dim)
-    # bf16 rounds every op as the eager ones do (equal); float32 may fuse a multiply-add.
-    exact = {"atol": 0, "rtol": 0} if dtype == torch.bfloat16 else {"atol": 1e-6, "rtol": 1e-6}
-    torch.testing.assert_close(qkv[:, : heads * dim].view(7, heads, dim), q_ref, **exact)
-    torch.testing.assert_close(
-        qkv[:, heads * dim : (heads + kv_heads) * dim].view(7, kv_heads, dim), k_ref, **exact
-    )
-    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)
+    # Heads of 16 take the scalar loop; of 64 (halves of 32), bf16's 16-lane one.
+    for dim in (16, 64):
+        heads, kv_heads = 4, 2
+        qkv = torch.randn(7, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+        positions = torch.tensor([0, 1, 5, 9, 100, 3, 2])
+        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        freqs = torch.arange(128).float()[:, None] * inv[None, :]
+        cos_t, sin_t = freqs.cos(), freqs.sin()
+        cos, sin = cos_t[positions].to(dtype).unsqueeze(1), sin_t[positions].to(dtype).unsqueeze(1)
+        q_ref = apply_rope(qkv[:, : heads * dim].view(7, heads, dim), cos, sin)
+        k_ref = apply_rope(
+            qkv[:, heads * dim : (heads + kv_heads) * dim].view(7, kv_heads, dim), cos, sin
+        )
+        v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+        fused.rope_(qkv, positions, cos_t, sin_t, heads + kv_heads, dim)
+        # bf16 rounds every op as the eager ones do (equal); float32 may fuse a multiply-add.
+        exact = {"atol": 0, "rtol": 0} if dtype == torch.bfloat16 else {"atol": 1e-6, "rtol": 1e-6}
+        torch.testing.assert_close(qkv[:, : heads * dim].view(7, heads, dim), q_ref, **exact)
+        torch.testing.assert_close(
+            qkv[:, heads * dim : (heads + kv_heads) * dim].view(7, kv_heads, dim), k_ref, **exact
+        )
+        assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)
 
     gate_up = (torch.randn(7, 2 * (width - 16), generator=gen) * 4).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturating and zero gates

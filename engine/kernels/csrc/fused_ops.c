@@ -79,6 +79,26 @@ void rope_bf16(uint16_t *x, const int64_t *positions, const float *cos_table,
     for (int64_t r = 0; r < rows; r++) {
         const float *ct = cos_table + positions[r] * half;
         const float *st = sin_table + positions[r] * half;
+#if defined(FUSED_AVX512)
+        if (half % 16 == 0) {
+            /* The same roundings on 16 lanes; the row's cos / sin rounded once for its heads. */
+            for (int64_t d = 0; d < half; d += 16) {
+                const __m512 c = rnd_bf(_mm512_loadu_ps(ct + d));
+                const __m512 s = rnd_bf(_mm512_loadu_ps(st + d));
+                for (int64_t h = 0; h < heads; h++) {
+                    uint16_t *x1 = x + r * x_stride + h * head_dim + d, *x2 = x1 + half;
+                    const __m512 a = ld_bf(x1, 0xFFFF), b = ld_bf(x2, 0xFFFF);
+                    const __m512 o1 = _mm512_sub_ps(rnd_bf(_mm512_mul_ps(a, c)),
+                                                    rnd_bf(_mm512_mul_ps(b, s)));
+                    const __m512 o2 = _mm512_add_ps(rnd_bf(_mm512_mul_ps(b, c)),
+                                                    rnd_bf(_mm512_mul_ps(a, s)));
+                    st_bf(x1, 0xFFFF, o1);
+                    st_bf(x2, 0xFFFF, o2);
+                }
+            }
+            continue;
+        }
+#endif
         for (int64_t h = 0; h < heads; h++) {
             uint16_t *x1 = x + r * x_stride + h * head_dim;
             uint16_t *x2 = x1 + half;
