@@ -17,8 +17,8 @@ the output to bf16 (see :func:`upcast_linear`).
 On a CPU with AMX, bf16 inputs of up to ``decode_max_rows()`` rows (decode steps) take this
 project's AMX kernel instead (``csrc/amx_linear.c``): with its own tile layout of the weight it
 streams the weights faster than oneDNN at 1-64 rows, where a step is bound by reading
-them. Prefill batches up to ``PACKED_MAX_ROWS`` rows (an MLP's gate and up at any count) take
-its prefill kernel over the same tiles (``csrc/amx_prefill_linear.c``). On a CPU with AVX512-BF16 but no AMX (AMD Zen 4) the same layout feeds a ``vdpbf16ps``
+them. Prefill batches of any size take its prefill kernel over the same tiles
+(``csrc/amx_prefill_linear.c``), faster than oneDNN there too. On a CPU with AVX512-BF16 but no AMX (AMD Zen 4) the same layout feeds a ``vdpbf16ps``
 kernel (``csrc/decode_linear.c``), faster than oneDNN there from 1 to 128 rows; an MLP's gate
 and up take it at any row count, where its SiLU epilogue saves a pass over the product. That
 layout is a third copy of the bf16 weights in memory. The figures: docs/performance.md,
@@ -87,17 +87,20 @@ _scratch = threading.local()
 # (``python -m benchmarks.floors``, Sapphire Rapids); the AVX512-BF16 kernel beat oneDNN by 1.7x
 # at 1 row, 1.2x at 64, 1.1x at 128 and 1.06x at 192, tied at 256 (Zen 4, docs/performance.md).
 DECODE_MAX_ROWS = {"amx": 96, "avx512_bf16": 128}
-# bf16 inputs of up to this many rows take the packed tiles (``native.decode_linear``), oneDNN
-# beyond. On AMX, batches past ``DECODE_MAX_ROWS`` go to the prefill kernel over the same tiles
-# (``csrc/amx_prefill_linear.c``), which split rows between threads: it beat oneDNN on this
-# model's four shapes from 128 to 1,600 rows and trailed it by up to 8% at 2,000
+# bf16 inputs of up to this many rows take the packed tiles (``native.decode_linear``; None: any
+# number), oneDNN beyond. On AMX, batches past ``DECODE_MAX_ROWS`` go to the prefill kernel over
+# the same tiles (``csrc/amx_prefill_linear.c``), which splits rows between threads: it beat or
+# tied oneDNN on this model's four shapes at every count from 128 to 4,096 rows
 # (docs/performance.md). AVX512-BF16 keeps its decode bound.
-PACKED_MAX_ROWS = {"amx": 1600, "avx512_bf16": DECODE_MAX_ROWS["avx512_bf16"]}
+PACKED_MAX_ROWS: dict[str, int | None] = {
+    "amx": None,
+    "avx512_bf16": DECODE_MAX_ROWS["avx512_bf16"],
+}
 # An MLP's gated ``[gate; up]`` weight takes the same kernels, with their SiLU epilogue, up to
 # this many rows (None: any number): the epilogue saves the separate ``silu_mul`` pass over the
 # ``[rows, 2 * inter]`` product. The AVX512-BF16 kernel ties oneDNN's product at prefill sizes and
 # beat oneDNN + ``silu_mul`` at every size measured on Zen 4; the AMX prefill kernel runs its
-# epilogue between the next block's tile multiplies and beat it at every size from 128 to 2,000
+# epilogue between the next block's tile multiplies and beat it at every size from 128 to 4,096
 # rows (docs/performance.md).
 GATED_MAX_ROWS: dict[str, int | None] = {"amx": None, "avx512_bf16": None}
 

@@ -254,14 +254,14 @@ def test_only_bf16_decode_rows_without_bias_take_the_decode_kernel(
         torch.testing.assert_close(got, F.linear(x, weight, bias))
 
 
-@pytest.mark.parametrize("rows", [1, 128, 129, 1600, 1601, 2048])
+@pytest.mark.parametrize("rows", [1, 128, 129, 2048])
 @pytest.mark.parametrize("kind", ["amx", "avx512_bf16"])
 def test_gated_rows_past_the_decode_bound_take_the_epilogue_where_it_wins(
     monkeypatch: pytest.MonkeyPatch, kind: str, rows: int
 ) -> None:
     """An MLP's gate and up take the gated kernel at any row count (its epilogue saves the
     silu_mul pass); the plain product takes the packed tiles up to its kind's bound (AMX's
-    prefill kernel to 1,600 rows, AVX512-BF16's decode bound), oneDNN beyond."""
+    prefill kernel at any count, AVX512-BF16 to its decode bound), oneDNN beyond."""
     calls = spy_decode_linear(monkeypatch)
     weight = torch.randn(8, 16).bfloat16()
     decode = torch.empty(0, dtype=torch.bfloat16)
@@ -272,8 +272,8 @@ def test_gated_rows_past_the_decode_bound_take_the_epilogue_where_it_wins(
     calls.clear()
     plain = lin.PackedWeight(onednn=None, decode=decode, out_features=8, kind=kind)
     lin.linear(x, weight, None, plain)
-    bound = {"amx": 1600, "avx512_bf16": 128}[kind]
-    assert calls == ([(rows, False, kind)] if rows <= bound else [])
+    takes = kind == "amx" or rows <= lin.DECODE_MAX_ROWS["avx512_bf16"]
+    assert calls == ([(rows, False, kind)] if takes else [])
 
 
 @pytest.mark.parametrize("kind", DECODE_KINDS)
