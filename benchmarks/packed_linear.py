@@ -13,12 +13,11 @@ cache between calls, as a prefill step's do within one linear.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
+from benchmarks.vllm_gemm import median_s
 from engine.kernels import native
 from engine.model import fused
 from engine.model.linear import pack_weight
@@ -30,17 +29,6 @@ SHAPES = {
     "gate_up": (576, 3072, True),
     "down": (1536, 576, False),
 }
-
-
-def median_ms(fn: Callable[[], object], repeat: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def pair(rows: int, k: int, n: int, gated: bool) -> tuple[Callable[[], object], ...]:
@@ -79,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         cells: dict[str, list[str]] = {name: [] for name in SHAPES}
         for r in range(args.rounds):
             for name, (one, ours) in calls.items():
-                a, b = median_ms(one, args.repeat), median_ms(ours, args.repeat)
+                a, b = median_s(one, args.repeat) * 1e3, median_s(ours, args.repeat) * 1e3
                 sums[r][0] += a
                 sums[r][1] += b
                 cells[name].append(f"{a:.3f} / {b:.3f}")
