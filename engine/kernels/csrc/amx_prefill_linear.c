@@ -5,10 +5,11 @@
  *
  * amx_linear (amx_linear.c) keeps every row of x in L2 per weight pair and splits the weights
  * between threads, which suits a few dozen rows. At hundreds of rows x no longer fits: here each
- * thread takes its own run of rows, in chunks of up to CHUNK_ROWS rows that stay in L2 while the
- * weight pairs stream past them once per chunk; a pair is multiplied with every 32-row block of
- * the chunk before the next one is read. x's tiles are loaded straight from its rows (K must be
- * a multiple of 32); only a last block of fewer than 32 rows is copied, zero-padded, first.
+ * thread takes its own run of rows, in chunks of up to CHUNK_BYTES of x that stay in L2 while
+ * the weight pairs stream past them once per chunk; a pair is multiplied with every 32-row
+ * block of the chunk before the next one is read. x's tiles are loaded straight from its rows
+ * (K must be a multiple of 32); only a last block of fewer than 32 rows is copied, zero-padded,
+ * first.
  *
  * Tile registers: 0-3 sums (2 x 2: rows 0-15 / 16-31 x the pair's two 16-feature blocks),
  * 4-5 rows of x, 6-7 weights. */
@@ -71,9 +72,8 @@ static inline void drain(pending_block *pb, int count, uint16_t *y, int64_t y_st
  * without evicting the pair, which then stays in L1 for the chunk's next block (STREAM_MAX_KB). */
 static inline void pair_block(const uint16_t *xa, int64_t xs, int64_t KB, int stream,
                               const uint16_t *w0, const uint16_t *w1, const char *next,
-                              pending_block *out,
-                              pending_block *prev, int per_kb, uint16_t *y, int64_t y_stride,
-                              int64_t n, int gated) {
+                              pending_block *out, pending_block *prev, int per_kb, uint16_t *y,
+                              int64_t y_stride, int64_t n, int gated) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
