@@ -141,7 +141,11 @@ int amx_prefill_linear(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride
         const int tid = omp_get_thread_num(), gm = tid / tn, gn = tid % tn;
         const int64_t b0 = blocks * gm / tm, b1 = blocks * (gm + 1) / tm;
         const int64_t p0 = NP * gn / tn, p1 = NP * (gn + 1) / tn;
-        const int64_t chunk = CHUNK_BYTES / (64 * k) > 0 ? CHUNK_BYTES / (64 * k) : 1;
+        /* The thread's blocks in equal chunks of at most CHUNK_BYTES: a short last chunk would
+         * stream every weight past a block or two. */
+        const int64_t most = CHUNK_BYTES / (64 * k) > 0 ? CHUNK_BYTES / (64 * k) : 1;
+        const int64_t chunks = (b1 - b0 + most - 1) / most;
+        const int64_t chunk = chunks > 0 ? (b1 - b0 + chunks - 1) / chunks : 1;
         const int per_kb = (int)((32 + KB - 1) / KB);
         pending_block *prev = NULL;
         int cur = 0;
