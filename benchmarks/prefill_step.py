@@ -12,8 +12,8 @@ prefill-sized linears on oneDNN against the packed tiles' kernels (``--compare l
 
 Admits ``--prompts`` fresh prompts of ``--tokens`` random tokens, builds their one prefill batch
 (they must fit ``max_num_batched_tokens``), then times the model's forward over it, alternating
-between the two variants (the engine's path is the second of each pair). The forward writes the same KV each time, so the runs are interchangeable; the LM head and
-sampling are not included.
+between the two variants (the engine's path is the second of each pair). The forward writes the
+same KV each time, so the runs are interchangeable; the LM head and sampling are not included.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     seqs = [ScheduledSeq(r, r.num_tokens, engine.kv.block_ids(r.request_id)) for r in requests]
     batch = runner.prepare(seqs)
     variants = {"last layer for every row": (batch, None)}
-    # Per variant, the linear row bounds it runs under (None: as shipped).
-    bounds: dict[str, tuple[dict[str, int], dict[str, int | None]] | None] = {}
+    # Per variant, the linear row bounds it runs under (variants not here: as shipped).
+    bounds: dict[str, tuple[dict[str, int | None], dict[str, int | None]]] = {}
     if args.compare == "prune":
         variants["last layer for sampled rows"] = (batch, batch.logits_indices)
     elif args.compare == "linear":

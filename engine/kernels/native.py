@@ -170,7 +170,7 @@ def load() -> ctypes.CDLL | None:
     lib.bf16_decode_available.argtypes = []
     lib.decode_pack_weight.restype = None
     lib.decode_pack_weight.argtypes = [ptr, i64, i64, i32, ptr]
-    for name in ("amx_linear", "amx_prefill_linear", "bf16_linear"):
+    for name in ("amx_linear", "bf16_linear"):
         kernel = getattr(lib, name)
         kernel.restype = i32
         kernel.argtypes = [ptr, i64, i64, i64, ptr, i64, i32, ptr, i64, i32]

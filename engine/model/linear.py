@@ -16,12 +16,13 @@ the output to bf16 (see :func:`upcast_linear`).
 
 On a CPU with AMX, bf16 inputs of up to ``decode_max_rows()`` rows (decode steps) take this
 project's AMX kernel instead (``csrc/amx_linear.c``): with its own tile layout of the weight it
-streams the weights faster than oneDNN at 1-64 rows, where a step is bound by reading
-them. Prefill batches of any size take its prefill kernel over the same tiles
-(``csrc/amx_prefill_linear.c``), faster than oneDNN there too. On a CPU with AVX512-BF16 but no AMX (AMD Zen 4) the same layout feeds a ``vdpbf16ps``
-kernel (``csrc/decode_linear.c``), faster than oneDNN there from 1 to 128 rows; an MLP's gate
-and up take it at any row count, where its SiLU epilogue saves a pass over the product. That
-layout is a third copy of the bf16 weights in memory. The figures: docs/performance.md,
+streams the weights faster than oneDNN at 1-64 rows, where a step is bound by reading them.
+Prefill batches of any size take its prefill kernel over the same tiles
+(``csrc/amx_prefill_linear.c``), faster than oneDNN there too. On a CPU with AVX512-BF16 but no
+AMX (AMD Zen 4) the same layout feeds a ``vdpbf16ps`` kernel (``csrc/decode_linear.c``), faster
+than oneDNN there from 1 to 128 rows; an MLP's gate and up take it at any row count, where its
+SiLU epilogue saves a pass over the product. That layout is a third copy of the bf16 weights in
+memory. The figures: docs/performance.md,
 "Figures behind the code".
 
 On a CPU whose widest float32 arithmetic is AVX2 + FMA (no AVX-512: AMD Zen 2/3), float32 inputs
