@@ -768,10 +768,11 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache,
         if (qlen > 1 && a.amx_prefill) {
             int64_t cuts[AMX_MAX_RUNS + 1];
             const int runs = amx_runs(first_pos, qlen, kv_start, amx_cap, cuts);
-            for (int r = 0; r < runs; r++)
+            for (int r = 0; r < runs; r++) {
+                const int64_t work = amx_run_work(first_pos, cuts[r], cuts[r + 1], kv_start);
                 for (int h = 0; h < num_kv_heads; h++)
-                    items[k++] = (work_item){s, cuts[r], cuts[r + 1], h, h + 1,
-                                             amx_run_work(first_pos, cuts[r], cuts[r + 1], kv_start)};
+                    items[k++] = (work_item){s, cuts[r], cuts[r + 1], h, h + 1, work};
+            }
             continue;
         }
         for (int64_t t = 0; t < qlen; t += tile)
