@@ -345,9 +345,11 @@ def test_decode_step_time_is_a_streams_inter_step_time(tiny_llama):
     engine = make_engine(tiny_llama)
     engine.add_request("a", tokens(40, 0), SamplingParams(max_tokens=4, temperature=0.0))
     engine.step()  # the prefill: no decode row
+    # The samples are intervals between the starts of a's decode steps, so they lie within the
+    # time from before its first decode step to after its last one.
+    started = time.perf_counter()
     engine.step()  # a's first decode: no earlier step decoded it
     assert engine.stats.decode_step_s is None
-    started = time.perf_counter()
     engine.step()
     engine.step()
     elapsed = time.perf_counter() - started
