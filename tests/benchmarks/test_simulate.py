@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks import simulate
-from benchmarks.calibrate import StepSample, fit_step_cost, prefill_pairs
+from benchmarks.calibrate import StepSample, best_of, fit_step_cost, prefill_pairs
 from benchmarks.sim.cluster import Cluster, ClusterConfig, ClusterRun
 from benchmarks.sim.ideal import ideal_hit_ratio, ttft_floors_s
 from benchmarks.sim.metrics import summarize_run
-from benchmarks.sim.profile import Profile, StepCost
+from benchmarks.sim.profile import DEFAULT_PROFILE, Profile, StepCost
 from benchmarks.sim.trace import SimRequestSpec, distinct_blocks, load_trace
 from benchmarks.workloads import trace_requests
 from engine.block_hash import compute_block_hashes, hash_root
@@ -306,6 +306,21 @@ def test_calibration_fit_recovers_a_known_model() -> None:
     # A feature that only adds noise is pinned at zero rather than fitted negative.
     flat = [StepSample("decode", 0, 0.0, b, 0, 0.01) for b in (1, 2, 4, 8)]
     assert all(v >= 0 for v in fit_step_cost(flat).as_vector())
+
+
+@pytest.mark.parametrize(
+    "path", sorted(DEFAULT_PROFILE.parent.glob("*.json")), ids=lambda p: p.stem
+)
+def test_a_shipped_profile_is_the_fit_of_its_own_samples(path: Path) -> None:
+    """Each profile under benchmarks/profiles carries the samples it was fitted on: fitting them
+    again gives its coefficients, so no figure in it was edited by hand or left from an older
+    measurement."""
+    profile = Profile.load(path)
+    samples = [StepSample(**s) for s in profile.meta["samples"]]
+    fitted = fit_step_cost(best_of([s for s in samples if s.kind != "mixed"]))
+    for got, want in zip(fitted.as_vector(), profile.step.as_vector(), strict=True):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-12)
+    assert profile.name == path.stem
 
 
 def test_command_line_sweep_writes_json_and_plot(
