@@ -116,10 +116,12 @@ def row(policy: str, workload: str, s: dict[str, Any]) -> dict[str, Any]:
 
 
 def round_order(policies: list[str], round_: int) -> list[str]:
-    """The policies in the order round ``round_`` runs them: as given, then reversed, taking
-    turns, so that no policy always runs first (straight after the previous round's service
-    shut down) or last."""
-    return policies if round_ % 2 == 0 else policies[::-1]
+    """The policies in the order round ``round_`` runs them: rotated by one place a round, so
+    that over as many rounds as policies each runs once in every position (first, straight
+    after the previous round's service shut down, included). Reversing every other round
+    instead ran the first policy first in two rounds of three."""
+    k = round_ % len(policies) if policies else 0
+    return policies[k:] + policies[:k]
 
 
 MEDIAN_FIELDS = ("hit_ratio", "ttft_p50_ms", "ttft_p99_ms", "output_tok_s", "req_s")

@@ -63,6 +63,12 @@ def test_rounds_are_summarized_by_their_medians() -> None:
 
 def test_rounds_take_the_policies_in_turn() -> None:
     policies = ["prefix_aware", "ray_prefix_affinity", "power_of_two"]
-    assert compare_routing.round_order(policies, 0) == policies
-    assert compare_routing.round_order(policies, 1) == policies[::-1]
-    assert compare_routing.round_order(policies, 2) == policies
+    orders = [compare_routing.round_order(policies, r) for r in range(3)]
+    assert orders[0] == policies
+    for order in orders:
+        assert sorted(order) == sorted(policies)
+    # Over as many rounds as policies, each policy runs once in every position.
+    for position in range(3):
+        assert sorted(order[position] for order in orders) == sorted(policies)
+    assert compare_routing.round_order(policies, 3) == policies
+    assert compare_routing.round_order([], 1) == []
