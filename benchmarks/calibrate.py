@@ -157,6 +157,19 @@ class _Engine:
             self.engine.step()
 
 
+def fit_samples(samples: Sequence[StepSample]) -> tuple[StepCost, dict[str, Any]]:
+    """The profile's fit: :func:`fit_step_cost` over the best of each point's repeats, mixed
+    steps left out; and its quality, on those points (``fit``) and on the held-out mixed steps
+    (``mixed_check``)."""
+    fitted = best_of([s for s in samples if s.kind != "mixed"])
+    cost = fit_step_cost(fitted)
+    quality = {
+        "fit": fit_quality(cost, fitted),
+        "mixed_check": fit_quality(cost, best_of([s for s in samples if s.kind == "mixed"])),
+    }
+    return cost, quality
+
+
 def measure_prefill(e: _Engine, repeats: int) -> list[StepSample]:
     samples = []
     for _ in range(repeats):
@@ -288,12 +301,10 @@ def refit(paths: Sequence[Path], out: Path) -> Profile:
     profiles = [Profile.load(path) for path in paths]
     old = profiles[0]
     samples = [StepSample(**s) for p in profiles for s in p.meta["samples"]]
-    fitted = best_of([s for s in samples if s.kind != "mixed"])
-    cost = fit_step_cost(fitted)
+    cost, quality = fit_samples(samples)
     meta = {
         **old.meta,
-        "fit": fit_quality(cost, fitted),
-        "mixed_check": fit_quality(cost, best_of([s for s in samples if s.kind == "mixed"])),
+        **quality,
         "fit_on": "best of repeats per point",
         "samples": [s.__dict__ for s in samples],
         "transfer_samples": [t for p in profiles for t in p.meta.get("transfer_samples", [])],
@@ -352,8 +363,7 @@ def main(argv: Sequence[str] | None = None) -> Profile:
     mixed = measure_mixed(e, args.repeats)
     transfer = measure_transfer(e, args.repeats)
     load_after = os.getloadavg()
-    fitted = best_of(prefill + decode)
-    cost = fit_step_cost(fitted)
+    cost, quality = fit_samples(prefill + decode + mixed)
     engine = llm.engine
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -367,8 +377,7 @@ def main(argv: Sequence[str] | None = None) -> Profile:
         "loadavg_before": list(load_before),
         "loadavg_after": list(load_after),
         "measure_seconds": time.perf_counter() - started,
-        "fit": fit_quality(cost, fitted),
-        "mixed_check": fit_quality(cost, best_of(mixed)),
+        **quality,
         "fit_on": "best of repeats per point",
         "transfer_samples": transfer["samples"],
         "samples": [s.__dict__ for s in prefill + decode + mixed],

@@ -22,8 +22,7 @@ Prefill batches of any size take its prefill kernel over the same tiles
 AMX (AMD Zen 4) the same layout feeds a ``vdpbf16ps`` kernel (``csrc/decode_linear.c``), faster
 than oneDNN there from 1 to 128 rows; an MLP's gate and up take it at any row count, where its
 SiLU epilogue saves a pass over the product. That layout is a third copy of the bf16 weights in
-memory. The figures: docs/performance.md,
-"Figures behind the code".
+memory. The figures: docs/performance.md, "Figures behind the code".
 
 On a CPU whose widest float32 arithmetic is AVX2 + FMA (no AVX-512: AMD Zen 2/3), float32 inputs
 of any number of rows take this project's kernel (``csrc/f32_linear.c``) over its own panel copy

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import simulate
-from benchmarks.calibrate import StepSample, best_of, fit_step_cost, prefill_pairs
+from benchmarks.calibrate import StepSample, fit_samples, fit_step_cost, prefill_pairs
 from benchmarks.sim.cluster import Cluster, ClusterConfig, ClusterRun
 from benchmarks.sim.ideal import ideal_hit_ratio, ttft_floors_s
 from benchmarks.sim.metrics import summarize_run
@@ -313,11 +313,11 @@ def test_calibration_fit_recovers_a_known_model() -> None:
 )
 def test_a_shipped_profile_is_the_fit_of_its_own_samples(path: Path) -> None:
     """Each profile under benchmarks/profiles carries the samples it was fitted on: fitting them
-    again gives its coefficients, so no figure in it was edited by hand or left from an older
-    measurement."""
+    again gives its coefficients and recorded fit quality, so none was edited by hand."""
     profile = Profile.load(path)
     samples = [StepSample(**s) for s in profile.meta["samples"]]
-    fitted = fit_step_cost(best_of([s for s in samples if s.kind != "mixed"]))
+    fitted, quality = fit_samples(samples)
+    assert quality == {k: profile.meta[k] for k in quality}
     for got, want in zip(fitted.as_vector(), profile.step.as_vector(), strict=True):
         assert got == pytest.approx(want, rel=1e-6, abs=1e-12)
     assert profile.name == path.stem
